@@ -1,0 +1,22 @@
+function(bmt_set_warnings target)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter>)
+  if(BMT_WARNINGS_AS_ERRORS)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
+  endif()
+endfunction()
+
+# bmt_add_test(NAME name SOURCES a.cpp ... LABELS cpu|multirank|cuda [TIMEOUT s])
+# One gtest binary; each TEST becomes a CTest test carrying the labels.
+function(bmt_add_test)
+  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;LABELS" ${ARGN})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  add_executable(${T_NAME} ${T_SOURCES})
+  set_target_properties(${T_NAME} PROPERTIES POSITION_INDEPENDENT_CODE OFF)
+  target_link_libraries(${T_NAME} PRIVATE bmt bmt_test_support GTest::gtest GTest::gtest_main)
+  target_precompile_headers(${T_NAME} REUSE_FROM bmt_test_support)
+  bmt_set_warnings(${T_NAME})
+  gtest_discover_tests(${T_NAME} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
+                       DISCOVERY_TIMEOUT 120)
+endfunction()

@@ -1,0 +1,27 @@
+#include "bmt/core/communicator.h"
+
+namespace bmt::core {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kProd: return "prod";
+  }
+  return "unknown";
+}
+
+void Communicator::check_peer(const char* op, int peer) const {
+  BMT_CHECK(peer >= 0 && peer < size() && peer != rank(), op, " on communicator '", name(), "' (rank ", rank(),
+            " of ", size(), "): peer ", peer, " is not another rank of this communicator; pass 0 <= peer < ",
+            size(), ", peer != ", rank());
+}
+
+void Communicator::check_root(const char* op, int root) const {
+  BMT_CHECK(root >= 0 && root < size(), op, " on communicator '", name(), "' (rank ", rank(), " of ", size(),
+            "): root ", root, " is out of range [0, ", size(), ")");
+}
+
+}  // namespace bmt::core

@@ -1,0 +1,81 @@
+// init_distributed and the process-wide configuration (BMTrain's bmt.init_distributed / bmt.config).
+//
+// Topology (BMTrain's, with its size/communicator mismatches fixed): world = pipe_size stages of contiguous
+// ranks; inside a stage, tensor-parallel groups are tp_size consecutive ranks.
+//   comm          all ranks
+//   zero_comm     the ranks of my pipeline stage (world when pipe_size == 1): non-TP parameters shard over it
+//   tp_comm       my tensor-parallel group (tp_size ranks)
+//   tp_zero_comm  ranks of my stage with my tp rank (data-parallel group; TP parameters shard over it)
+//   pipe_comm     one rank per stage with my position inside the stage
+// Every communicator exists (size 1 when the feature is off), so code never has to ask whether it is there.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "bmt/core/communicator.h"
+#include "bmt/core/store.h"
+
+namespace bmt {
+
+enum class Backend { kAuto, kNccl, kGloo };
+Backend parse_backend(const std::string& name);  // "auto", "nccl", "gloo"; throws on anything else
+const char* backend_name(Backend b);
+
+struct InitOptions {
+  uint64_t seed = 0;
+  int zero_level = 3;   // default ZeRO level of Blocks created without an explicit one (2 or 3)
+  int tp_size = 1;
+  int pipe_size = 1;
+  Backend backend = Backend::kAuto;  // auto: NCCL when CUDA is built and a GPU is visible, else Gloo
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};  // every blocking wait; env BMT_TIMEOUT_S overrides
+  bool quiet = false;  // do not print the one-line initialisation summary on rank 0
+};
+
+struct Config {
+  bool initialized = false;
+  int rank = 0, world_size = 1, local_rank = 0, local_size = 1;
+  int zero_rank = 0, zero_size = 1;        // zero_comm
+  int tp_rank = 0, tp_size = 1;            // tp_comm
+  int tp_zero_rank = 0, tp_zero_size = 1;  // tp_zero_comm (data-parallel group)
+  int pipe_rank = 0, pipe_size = 1;        // pipe_comm (pipe_rank = stage id)
+  int zero_level = 3;
+  uint64_t seed = 0;
+  Backend backend = Backend::kGloo;
+  std::chrono::milliseconds timeout{0};
+  c10::Device device{c10::kCPU};
+  std::string master_addr;
+  int master_port = 0;
+
+  std::shared_ptr<core::Communicator> comm, zero_comm, tp_comm, tp_zero_comm, pipe_comm;
+  std::shared_ptr<core::Store> store;
+
+  // CUDA only: calc_stream = the current stream at init; load_stream (high priority) carries ZeRO gathers and
+  // reduce-scatters; tp_comm_stream tensor-parallel collectives. Unset on CPU.
+  std::optional<c10::Stream> calc_stream, load_stream, tp_comm_stream;
+};
+
+// Must be called once per process before anything else in bmtrain. Reads the launch environment
+// (torchrun, bmtrun, Slurm), rendezvous through a TCPStore, picks the device, seeds the RNGs, creates the
+// communicators of every group and validates the topology.
+void init_distributed(const InitOptions& options = {});
+bool is_initialized();
+// Throws bmt::core::Error("bmtrain is not initialized ...") before init_distributed.
+const Config& config();
+int world_size();
+int rank();
+// Destroys the communicators (after a barrier when `barrier` is true). Safe to call twice; runs at exit.
+void finalize(bool barrier = true);
+
+// Seeds the default torch generators so that ranks of one tensor-parallel group agree and data-parallel ranks
+// differ (dropout masks): seed + 1 + tp_zero_rank. init_parameters() calls it after initialising parameters
+// (which needs the same stream of random numbers on every rank).
+void seed_per_data_parallel_rank();
+
+}  // namespace bmt
