@@ -94,7 +94,8 @@ struct AllReduceFn : torch::autograd::Function<AllReduceFn> {
     ctx->saved_data["op"] = op;
     at::Tensor out = raw_all_reduce(x, static_cast<ReduceOp>(op), *reinterpret_cast<core::Communicator*>(comm_ptr));
     auto rop = static_cast<ReduceOp>(op);
-    if (rop == ReduceOp::kMax || rop == ReduceOp::kMin || rop == ReduceOp::kProd) ctx->save_for_backward({x, out});
+    if (rop == ReduceOp::kMax || rop == ReduceOp::kMin) ctx->save_for_backward({x, out});
+    if (rop == ReduceOp::kProd) ctx->save_for_backward({x});
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -106,13 +107,27 @@ struct AllReduceFn : torch::autograd::Function<AllReduceFn> {
       case ReduceOp::kAvg: g = g / comm.size(); break;
       case ReduceOp::kMax:
       case ReduceOp::kMin: {
+        // Ties share the gradient evenly (torch's amax/amin convention): with k ranks holding the extreme,
+        // each gets 1/k, so the gradients still sum to the derivative of the output.
         auto saved = ctx->get_saved_variables();
-        g = g * (saved[0] == saved[1]).to(g.scalar_type());
+        at::Tensor holds = (saved[0] == saved[1]).to(g.scalar_type());
+        at::Tensor holders = raw_all_reduce(holds, ReduceOp::kSum, comm);
+        g = g * holds / holders;
         break;
       }
       case ReduceOp::kProd: {
+        // d out / d x_me = product of the other ranks' inputs. out / x_me is wrong where x_me == 0 (0/0), so
+        // count the zeros of each element over the ranks and multiply the non-zero factors separately:
+        //   no zero: nonzero_prod / x_me;  one zero: nonzero_prod on the rank holding it, 0 elsewhere;  more: 0.
         auto saved = ctx->get_saved_variables();
-        g = g * saved[1] / saved[0];
+        const at::Tensor& x = saved[0];
+        at::Tensor is_zero = x == 0;
+        at::Tensor zeros = raw_all_reduce(is_zero.to(at::kLong), ReduceOp::kSum, comm);
+        at::Tensor x_nz = at::where(is_zero, at::ones_like(x), x);
+        at::Tensor nonzero_prod = raw_all_reduce(x_nz, ReduceOp::kProd, comm);
+        at::Tensor others = at::where(zeros == 0, nonzero_prod / x_nz,
+                                      at::where(is_zero & (zeros == 1), nonzero_prod, at::zeros_like(x)));
+        g = g * others.to(g.scalar_type());
         break;
       }
     }

@@ -30,6 +30,12 @@ at::Tensor wrap_bytes(const void* ptr, size_t numel, DType dtype) {
   return wrap(ptr, numel * core::dtype_nbytes(dtype), DType::kUInt8);
 }
 
+// c10::Error::what() carries a C++ backtrace of dozens of lines; our messages keep only its text.
+std::string describe(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
 bool gloo_has_arithmetic(DType t) { return !core::dtype_is_half(t) && t != DType::kUInt8; }
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
@@ -63,7 +69,7 @@ GlooCommunicator::GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, int ra
     impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank_, size_, opts);
   } catch (const std::exception& e) {
     throw core::DistError(core::concat("Gloo communicator '", name_, "' (rank ", rank_, " of ", size_,
-                                       ") could not connect within ", timeout.count(), " ms: ", e.what(),
+                                       ") could not connect within ", timeout.count(), " ms: ", describe(e),
                                        " (did every rank start? see the launcher's report)"));
   }
 }
@@ -80,7 +86,7 @@ GlooCommunicator::~GlooCommunicator() = default;
     } catch (const std::exception& e) {                                                                      \
       throw core::DistError(core::concat("gloo ", opname, " on communicator '", name_, "' (rank ", rank_,     \
                                          " of ", size_, ") failed or timed out after ", timeout_.count(),     \
-                                         " ms: ", e.what(),                                                  \
+                                         " ms: ", describe(e),                                               \
                                          ". A peer rank probably died (see the launcher's report)."));       \
     }                                                                                                        \
   } while (false)
@@ -152,9 +158,13 @@ void GlooCommunicator::recv(void* buf, size_t numel, DType dtype, int peer, core
 }
 
 void GlooCommunicator::barrier() {
-  // A one-element all-reduce (Gloo's own barrier takes no timeout on every torch version).
+  // A one-element all-reduce (Gloo's own barrier takes no timeout on every torch version); a failure names
+  // the barrier, the operation the caller asked for.
   float one = 1.0f;
-  all_reduce(&one, &one, 1, DType::kFloat32, ReduceOp::kSum, nullptr);
+  std::vector<at::Tensor> tensors{wrap(&one, 1, DType::kFloat32)};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  BMT_GLOO_WAIT("barrier", impl_->pg->allreduce(tensors, opts));
 }
 
 std::unique_ptr<core::Communicator> GlooCommunicator::split(int color, int key, const std::string& name) {

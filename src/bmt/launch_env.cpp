@@ -1,6 +1,8 @@
 #include "bmt/launch_env.h"
 
+#include <cctype>
 #include <cstdlib>
+#include <limits>
 
 #include "bmt/core/error.h"
 
@@ -14,15 +16,22 @@ std::optional<std::string> process_env(const std::string& name) {
 }
 
 int parse_int(const std::string& name, const std::string& value) {
-  size_t used = 0;
-  long v = 0;
-  try {
-    v = std::stol(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
+  // Digits with an optional sign, nothing else (no blanks, no "1.5", no "4x"), and within int's range.
+  bool well_formed = !value.empty();
+  for (size_t i = 0; i < value.size() && well_formed; ++i)
+    well_formed = std::isdigit(static_cast<unsigned char>(value[i])) || (i == 0 && value.size() > 1 &&
+                                                                          (value[0] == '-' || value[0] == '+'));
+  long long v = 0;
+  if (well_formed) {
+    try {
+      v = std::stoll(value);
+    } catch (const std::exception&) {
+      v = std::numeric_limits<long long>::max();  // beyond long long: reported as out of range below
+    }
   }
-  BMT_CHECK(used == value.size() && used > 0, "environment variable ", name, "='", value,
-            "' is not an integer");
+  BMT_CHECK(well_formed, "environment variable ", name, "='", value, "' is not an integer");
+  BMT_CHECK(v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max(), "environment variable ",
+            name, "='", value, "' is out of range");
   return static_cast<int>(v);
 }
 
@@ -37,12 +46,22 @@ std::string first_slurm_host(const std::string& nodelist) {
     if (c == ',' && depth == 0) break;
     first += c;
   }
-  auto open = first.find('[');
-  if (open == std::string::npos) return first;
-  std::string prefix = first.substr(0, open);
-  std::string range = first.substr(open + 1);
-  size_t end = range.find_first_of(",-]");
-  return prefix + range.substr(0, end);
+  // Replace every bracketed range by its first element: "node[03-05,07]" -> "node03",
+  // "rack[0-3]_blade[0-41]" -> "rack0_blade0" (Slurm allows several ranges in one host name).
+  std::string host;
+  size_t i = 0;
+  while (i < first.size()) {
+    if (first[i] != '[') {
+      host += first[i++];
+      continue;
+    }
+    size_t close = first.find(']', i);
+    std::string range = first.substr(i + 1, close == std::string::npos ? std::string::npos : close - i - 1);
+    host += range.substr(0, range.find_first_of(",-"));
+    if (close == std::string::npos) break;
+    i = close + 1;
+  }
+  return host;
 }
 
 LaunchEnv read_launch_env(const EnvLookup& lookup_in) {
@@ -78,7 +97,9 @@ LaunchEnv read_launch_env(const EnvLookup& lookup_in) {
   BMT_CHECK(env.world_size >= 1, "world size ", env.world_size, " (from ", env.source, ") must be >= 1");
   BMT_CHECK(env.rank >= 0 && env.rank < env.world_size, "rank ", env.rank, " (from ", env.source,
             ") is out of range for world size ", env.world_size);
-  BMT_CHECK(env.local_rank >= 0, "local rank ", env.local_rank, " (from ", env.source, ") must be >= 0");
+  BMT_CHECK(env.local_size >= 1, "local world size ", env.local_size, " (from ", env.source, ") must be >= 1");
+  BMT_CHECK(env.local_rank >= 0 && env.local_rank < env.local_size, "local rank ", env.local_rank, " (from ",
+            env.source, ") is out of range for local world size ", env.local_size);
   BMT_CHECK(env.master_port > 0 && env.master_port < 65536, "MASTER_PORT ", env.master_port,
             " is not a valid TCP port");
   return env;

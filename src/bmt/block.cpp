@@ -1,0 +1,470 @@
+#include "bmt/block.h"
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/StreamGuard.h>
+#include <torch/autograd.h>
+#include <torch/custom_class.h>
+
+#include <map>
+#include <mutex>
+
+#include "bmt/core/error.h"
+#include "bmt/init.h"
+#include "bmt/memory_stats.h"
+#include "bmt/param_registry.h"
+#include "bmt/parameter.h"
+#include "bmt/stream_sync.h"
+#include "bmt/tensor_adapter.h"
+
+namespace bmt {
+namespace {
+
+constexpr int64_t kAlignBytes = 512;
+int g_grad_sync_disabled = 0;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+at::ScalarType grad_dtype_for(at::ScalarType param, at::ScalarType reduce) {
+  return at::promote_types(param, reduce);
+}
+
+struct RngState {
+  at::Tensor cpu;
+  at::Tensor device;
+};
+
+RngState save_rng() {
+  RngState s;
+  s.cpu = at::detail::getDefaultCPUGenerator().get_state();
+  const Config& cfg = config();
+  if (cfg.device.is_cuda()) s.device = at::globalContext().defaultGenerator(cfg.device).get_state();
+  return s;
+}
+
+void restore_rng(const RngState& s) {
+  at::Generator cpu = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(cpu.mutex());
+  cpu.set_state(s.cpu);
+  if (s.device.defined()) {
+    at::Generator dev = at::globalContext().defaultGenerator(config().device);
+    std::lock_guard<std::mutex> dev_lock(dev.mutex());
+    dev.set_state(s.device);
+  }
+}
+
+}  // namespace
+
+struct Block::Group {
+  at::ScalarType dtype;
+  std::shared_ptr<core::Communicator> comm;
+  int64_t used_numel = 0;       // packed length incl. alignment padding
+  int64_t partition_numel = 0;  // shard length; the full buffer is partition_numel * comm->size()
+  at::Tensor shard;
+  at::Tensor grad_shard;          // allocated when some parameter of the group requires grad
+  at::Tensor full;                // gathered buffer (only between gather and release)
+  at::Tensor deferred_grad_full;  // accumulation while GradSyncGuard defers reduction
+  std::optional<c10::Event> ready;  // recorded on the comm stream when `full` is complete
+};
+
+struct Block::Slot {
+  at::Tensor param;
+  std::string name;
+  size_t group = 0;
+  int64_t offset = 0;  // in the group's packed (full) space
+  int64_t numel = 0;
+  std::vector<int64_t> shape;
+  int64_t local_begin = 0;  // intersection with this rank's partition, in shard coordinates
+  int64_t local_numel = 0;
+};
+
+struct Block::CallState : torch::CustomClassHolder {
+  std::vector<at::Tensor> inputs;        // as given (recompute)
+  std::vector<bool> input_requires_grad;
+  std::vector<at::Tensor> graph_inputs;   // no-checkpoint: detached leaves the graph starts from
+  std::vector<at::Tensor> graph_outputs;  // no-checkpoint: outputs with their graph
+  RngState rng;
+};
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct BlockFn : torch::autograd::Function<BlockFn> {
+  // Inputs travel as a TensorList: a std::vector would not be recognised as tensors by autograd.
+  static variable_list forward(AutogradContext* ctx, int64_t block_ptr, at::TensorList all_inputs) {
+    auto* block = reinterpret_cast<Block*>(block_ptr);
+    auto state = c10::make_intrusive<Block::CallState>();
+    std::vector<at::Tensor> inputs(all_inputs.begin(), all_inputs.end() - 1);  // drop the anchor
+    auto outs = block->run_forward(*state, inputs);
+    ctx->saved_data["block"] = block_ptr;
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    ctx->saved_data["n_inputs"] = static_cast<int64_t>(inputs.size());
+    for (auto& o : outs)
+      if (!at::isFloatingType(o.scalar_type()) && !at::isComplexType(o.scalar_type())) ctx->mark_non_differentiable({o});
+    return outs;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto* block = reinterpret_cast<Block*>(ctx->saved_data["block"].toInt());
+    auto state = c10::static_intrusive_pointer_cast<Block::CallState>(ctx->saved_data["state"].toCapsule());
+    auto grads = block->run_backward(*state, grad_outputs);
+    variable_list result;
+    result.push_back(at::Tensor());  // block_ptr
+    for (auto& g : grads) result.push_back(g);
+    result.push_back(at::Tensor());  // anchor
+    ctx->saved_data.erase("state");
+    return result;
+  }
+};
+
+}  // namespace
+
+Block::Block(std::shared_ptr<torch::nn::Module> module, BlockForward forward, BlockOptions options)
+    : module_(std::move(module)), forward_fn_(std::move(forward)), options_(options) {
+  const Config& cfg = config();
+  zero_level_ = options_.zero_level == 0 ? cfg.zero_level : options_.zero_level;
+  BMT_CHECK(zero_level_ == 2 || zero_level_ == 3, "Block: zero_level ", zero_level_,
+            " is not supported; use 2 (keep gathered parameters from forward to backward) or 3 (gather twice)");
+  BMT_CHECK(module_ != nullptr && forward_fn_, "Block: module and forward function must be set");
+  BMT_CHECK(at::isFloatingType(options_.reduce_dtype), "Block: reduce_dtype must be a floating type");
+  anchor_ = at::zeros({}, at::TensorOptions().device(cfg.device)).requires_grad_(true);
+  build_storage();
+}
+
+Block::~Block() {
+  for (auto& s : slots_) {
+    if (ParamMeta* m = find_meta(s->param)) m->block = nullptr;
+    clear_main_grad(s->param);
+  }
+  memory::add_shard_bytes(-shard_nbytes());
+  memory::add_grad_bytes(-grad_nbytes());
+  memory::add_full_bytes(-full_nbytes());
+}
+
+void Block::build_storage() {
+  std::map<std::pair<int, core::Communicator*>, size_t> group_of;
+  for (auto& item : module_->named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    ParamMeta* m = find_meta(p);
+    BMT_CHECK(m != nullptr, "Block: parameter '", item.key(), "' (shape ", p.sizes(), ") is a plain tensor; every "
+              "parameter inside a Block must be a bmt::DistributedParameter (use bmt::nn layers or create it with "
+              "bmt::DistributedParameter)");
+    BMT_CHECK(m->block == nullptr, "Block: parameter '", item.key(), "' already belongs to another Block (a module "
+              "wrapped twice, or a parameter shared between two Blocks); wrap each module once and do not share "
+              "parameters across Blocks");
+    auto key = std::make_pair(static_cast<int>(m->dtype), m->comm.get());
+    auto it = group_of.find(key);
+    if (it == group_of.end()) {
+      it = group_of.emplace(key, groups_.size()).first;
+      auto g = std::make_unique<Group>();
+      g->dtype = m->dtype;
+      g->comm = m->comm;
+      groups_.push_back(std::move(g));
+    }
+    Group& g = *groups_[it->second];
+    auto slot = std::make_unique<Slot>();
+    slot->param = p;
+    slot->name = item.key();
+    slot->group = it->second;
+    slot->numel = m->full_numel;
+    slot->shape = m->full_shape;
+    slot->offset = g.used_numel;
+    g.used_numel = round_up(g.used_numel + m->full_numel, kAlignBytes / static_cast<int64_t>(c10::elementSize(g.dtype)));
+    slots_.push_back(std::move(slot));
+  }
+  const auto dev = config().device;
+  for (auto& g : groups_) {
+    const int ws = g->comm->size(), r = g->comm->rank();
+    g->partition_numel = (g->used_numel + ws - 1) / ws;
+    g->shard = at::zeros({g->partition_numel}, at::TensorOptions().dtype(g->dtype).device(dev));
+    g->grad_shard = at::zeros({g->partition_numel},
+                              at::TensorOptions().dtype(grad_dtype_for(g->dtype, options_.reduce_dtype)).device(dev));
+    (void)r;
+  }
+  at::NoGradGuard no_grad;
+  for (auto& s : slots_) {
+    Group& g = *groups_[s->group];
+    const int64_t part_begin = g.partition_numel * g.comm->rank();
+    const int64_t lo = std::max(part_begin, s->offset);
+    const int64_t hi = std::min(part_begin + g.partition_numel, s->offset + s->numel);
+    s->local_begin = hi > lo ? lo - part_begin : 0;
+    s->local_numel = std::max<int64_t>(0, hi - lo);
+    // Move the current (per-parameter sharded) value into the packed layout, one full parameter at a time.
+    at::Tensor full = gather_full(s->param).reshape({-1});
+    if (s->local_numel > 0) g.shard.narrow(0, s->local_begin, s->local_numel).copy_(full.narrow(0, lo - s->offset, s->local_numel));
+    ParamMeta& m = meta_of(s->param);
+    m.block = this;
+    m.shard_begin = s->local_numel > 0 ? lo - s->offset : 0;
+    m.shard_end = m.shard_begin + s->local_numel;
+    set_main_grad(s->param, g.grad_shard.narrow(0, s->local_begin, s->local_numel));
+    if (g.grad_shard.scalar_type() == g.dtype) s->param.mutable_grad() = g.grad_shard.narrow(0, s->local_begin, s->local_numel);
+    set_replication(s->param, config().world_size / g.comm->size());
+  }
+  point_at_shard();
+  memory::add_shard_bytes(shard_nbytes());
+  memory::add_grad_bytes(grad_nbytes());
+}
+
+int64_t Block::shard_nbytes() const {
+  int64_t n = 0;
+  for (auto& g : groups_) n += g->shard.nbytes();
+  return n;
+}
+int64_t Block::full_nbytes() const {
+  int64_t n = 0;
+  for (auto& g : groups_)
+    if (g->full.defined()) n += g->full.nbytes();
+  return n;
+}
+int64_t Block::grad_nbytes() const {
+  int64_t n = 0;
+  for (auto& g : groups_) {
+    if (g->grad_shard.defined()) n += g->grad_shard.nbytes();
+    if (g->deferred_grad_full.defined()) n += g->deferred_grad_full.nbytes();
+  }
+  return n;
+}
+
+void Block::gather_buffers() {
+  if (buffers_ready_) return;
+  auto calc = compute_stream();
+  auto comm_s = comm_stream();
+  stream_wait(comm_s, calc);  // the shards may have just been updated by the optimizer
+  for (auto& g : groups_) {
+    const int ws = g->comm->size();
+    std::optional<c10::StreamGuard> guard;
+    if (comm_s) guard.emplace(*comm_s);
+    g->full = at::empty({g->partition_numel * ws}, g->shard.options());
+    g->comm->all_gather(g->shard.data_ptr(), g->full.data_ptr(), g->partition_numel, to_core_dtype(g->dtype),
+                        comm_s ? comm_s->native_handle() : nullptr);
+    if (comm_s) {
+      g->ready.emplace(comm_s->device_type());
+      g->ready->record(*comm_s);
+    }
+  }
+  buffers_ready_ = true;
+  memory::add_full_bytes(full_nbytes());
+}
+
+void Block::gather() {
+  gather_buffers();
+  point_at_full();
+}
+
+void Block::point_at_full() {
+  auto calc = compute_stream();
+  for (auto& g : groups_) {
+    if (g->ready && calc) {
+      g->ready->block(*calc);
+      g->full.record_stream(*calc);
+      g->ready.reset();
+    }
+  }
+  for (auto& s : slots_) {
+    Group& g = *groups_[s->group];
+    s->param.set_data(g.full.narrow(0, s->offset, s->numel).view(s->shape));
+  }
+  gathered_ = true;
+}
+
+void Block::point_at_shard() {
+  for (auto& s : slots_) {
+    Group& g = *groups_[s->group];
+    s->param.set_data(g.shard.narrow(0, s->local_begin, s->local_numel));
+  }
+  gathered_ = false;
+}
+
+void Block::release() {
+  point_at_shard();
+  if (!buffers_ready_) return;
+  memory::add_full_bytes(-full_nbytes());
+  for (auto& g : groups_) {
+    g->full = at::Tensor();
+    g->ready.reset();
+  }
+  buffers_ready_ = false;
+}
+
+std::vector<at::Tensor> Block::forward(const std::vector<at::Tensor>& inputs) {
+  bool any_grad = false;
+  for (auto& t : inputs) any_grad = any_grad || (t.defined() && t.requires_grad());
+  bool param_grad = false;
+  for (auto& s : slots_) param_grad = param_grad || s->param.requires_grad();
+  if (!at::GradMode::is_enabled() || (!any_grad && !param_grad)) {
+    // Inference: gather, run, free. No graph, no recompute.
+    gather();
+    std::vector<at::Tensor> out;
+    try {
+      at::NoGradGuard guard;
+      out = forward_fn_(inputs);
+    } catch (...) {
+      release();
+      throw;
+    }
+    release();
+    return out;
+  }
+  variable_list args(inputs.begin(), inputs.end());
+  args.push_back(anchor_);
+  return BlockFn::apply(reinterpret_cast<int64_t>(this), at::TensorList(args));
+}
+
+std::vector<at::Tensor> Block::run_forward(CallState& state, const std::vector<at::Tensor>& inputs) {
+  state.inputs = inputs;
+  for (auto& t : inputs) state.input_requires_grad.push_back(t.defined() && t.requires_grad());
+  gather();
+  state.rng = save_rng();
+  std::vector<at::Tensor> out;
+  try {
+    if (options_.use_checkpoint) {
+      out = forward_fn_(inputs);  // grad mode is off inside an autograd Function's forward
+    } else {
+      at::AutoGradMode enable(true);
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        at::Tensor t = inputs[i].defined() ? inputs[i].detach() : inputs[i];
+        if (state.input_requires_grad[i]) t.requires_grad_(true);
+        state.graph_inputs.push_back(t);
+      }
+      state.graph_outputs = forward_fn_(state.graph_inputs);
+      for (auto& o : state.graph_outputs) out.push_back(o.detach());
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+  if (zero_level_ == 3) release();
+  else point_at_shard();  // ZeRO-2: keep the full buffers for the backward
+  return out;
+}
+
+std::vector<at::Tensor> Block::run_backward(CallState& state, const std::vector<at::Tensor>& grad_outputs) {
+  gather();
+  if (prev_in_list_ && prev_in_list_->zero_level_ == 3) prev_in_list_->prefetch();  // overlap on GPU
+  std::vector<at::Tensor> graph_inputs, outputs;
+  if (options_.use_checkpoint) {
+    RngState now = save_rng();
+    restore_rng(state.rng);
+    at::AutoGradMode enable(true);
+    for (size_t i = 0; i < state.inputs.size(); ++i) {
+      at::Tensor t = state.inputs[i].defined() ? state.inputs[i].detach() : state.inputs[i];
+      if (state.input_requires_grad[i]) t.requires_grad_(true);
+      graph_inputs.push_back(t);
+    }
+    outputs = forward_fn_(graph_inputs);
+    restore_rng(now);
+  } else {
+    graph_inputs = state.graph_inputs;
+    outputs = state.graph_outputs;
+  }
+  std::vector<at::Tensor> outs, gouts, targets;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (!outputs[i].defined() || !outputs[i].requires_grad()) continue;
+    outs.push_back(outputs[i]);
+    gouts.push_back(i < grad_outputs.size() && grad_outputs[i].defined() ? grad_outputs[i] : at::zeros_like(outputs[i]));
+  }
+  std::vector<int> input_index;
+  for (size_t i = 0; i < graph_inputs.size(); ++i)
+    if (state.input_requires_grad[i]) {
+      input_index.push_back(static_cast<int>(i));
+      targets.push_back(graph_inputs[i]);
+    }
+  std::vector<size_t> slot_index;
+  for (size_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i]->param.requires_grad()) {
+      slot_index.push_back(i);
+      targets.push_back(slots_[i]->param);
+    }
+  std::vector<at::Tensor> grads;
+  if (!outs.empty() && !targets.empty())
+    grads = torch::autograd::grad(outs, targets, gouts, /*retain_graph=*/false, /*create_graph=*/false,
+                                  /*allow_unused=*/true);
+  else
+    grads.resize(targets.size());
+  state.graph_inputs.clear();
+  state.graph_outputs.clear();
+  point_at_shard();
+  std::vector<at::Tensor> param_grads(slots_.size());
+  for (size_t k = 0; k < slot_index.size(); ++k) param_grads[slot_index[k]] = grads[input_index.size() + k];
+  reduce_gradients(param_grads);
+  release();
+  std::vector<at::Tensor> input_grads(state.inputs.size());
+  for (size_t k = 0; k < input_index.size(); ++k) input_grads[input_index[k]] = grads[k];
+  return input_grads;
+}
+
+void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
+  auto calc = compute_stream();
+  auto comm_s = comm_stream();
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = *groups_[gi];
+    bool any = false;
+    for (size_t i = 0; i < slots_.size(); ++i) any = any || (slots_[i]->group == gi && param_grads[i].defined());
+    if (!any && !g.deferred_grad_full.defined()) continue;
+    const at::ScalarType rdt = g.grad_shard.scalar_type();
+    const int ws = g.comm->size();
+    at::Tensor flat = at::zeros({g.partition_numel * ws}, g.grad_shard.options());
+    for (size_t i = 0; i < slots_.size(); ++i)
+      if (slots_[i]->group == gi && param_grads[i].defined())
+        flat.narrow(0, slots_[i]->offset, slots_[i]->numel).copy_(param_grads[i].reshape({-1}));
+    if (!grad_sync_enabled()) {
+      if (!g.deferred_grad_full.defined()) {
+        g.deferred_grad_full = flat;
+        memory::add_grad_bytes(flat.nbytes());
+      } else {
+        g.deferred_grad_full.add_(flat);
+      }
+      continue;
+    }
+    if (g.deferred_grad_full.defined()) {
+      flat.add_(g.deferred_grad_full);
+      memory::add_grad_bytes(-g.deferred_grad_full.nbytes());
+      g.deferred_grad_full = at::Tensor();
+    }
+    stream_wait(comm_s, calc);
+    std::optional<c10::StreamGuard> guard;
+    if (comm_s) {
+      guard.emplace(*comm_s);
+      flat.record_stream(*comm_s);
+    }
+    at::Tensor mine = at::empty({g.partition_numel}, flat.options());
+    g.comm->reduce_scatter(flat.data_ptr(), mine.data_ptr(), g.partition_numel, to_core_dtype(rdt), options_.reduce_op,
+                           comm_s ? comm_s->native_handle() : nullptr);
+    g.grad_shard.add_(mine);
+  }
+}
+
+at::Tensor Block::gather_param_copy(const at::Tensor& param) {
+  for (auto& s : slots_) {
+    if (!s->param.is_same(param)) continue;
+    bool had = buffers_ready_;
+    gather_buffers();
+    auto calc = compute_stream();
+    Group& g = *groups_[s->group];
+    if (g.ready && calc) g.ready->block(*calc);
+    at::Tensor copy = g.full.narrow(0, s->offset, s->numel).view(s->shape).clone();
+    if (!had) release();
+    return copy;
+  }
+  BMT_ASSERT(false, "parameter not found in its Block");
+}
+
+void Block::scatter_param(const at::Tensor& param, const at::Tensor& full) {
+  for (auto& s : slots_) {
+    if (!s->param.is_same(param)) continue;
+    Group& g = *groups_[s->group];
+    const int64_t part_begin = g.partition_numel * g.comm->rank();
+    const int64_t lo = part_begin + s->local_begin;
+    if (s->local_numel > 0)
+      g.shard.narrow(0, s->local_begin, s->local_numel)
+          .copy_(full.reshape({-1}).narrow(0, lo - s->offset, s->local_numel));
+    return;
+  }
+  BMT_ASSERT(false, "parameter not found in its Block");
+}
+
+GradSyncGuard::GradSyncGuard() { ++g_grad_sync_disabled; }
+GradSyncGuard::~GradSyncGuard() { --g_grad_sync_disabled; }
+bool grad_sync_enabled() { return g_grad_sync_disabled == 0; }
+
+}  // namespace bmt

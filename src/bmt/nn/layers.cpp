@@ -1,0 +1,48 @@
+#include "bmt/nn/layers.h"
+
+#include "bmt/core/error.h"
+
+namespace bmt::nn {
+
+LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, at::ScalarType dtype, InitMethod weight_init)
+    : in_features(in), out_features(out) {
+  BMT_CHECK(in > 0 && out > 0, "nn::Linear: features must be positive, got in=", in, " out=", out);
+  weight = register_parameter("weight", DistributedParameter({out, in}, dtype, std::move(weight_init)));
+  if (with_bias) bias = register_parameter("bias", DistributedParameter({out}, dtype, init::zeros()));
+}
+
+at::Tensor LinearImpl::forward(const at::Tensor& x) {
+  return at::linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor());
+}
+
+LayerNormImpl::LayerNormImpl(int64_t d, double e, at::ScalarType dtype, bool with_bias) : dim(d), eps(e) {
+  weight = register_parameter("weight", DistributedParameter({d}, dtype, init::ones()));
+  if (with_bias) bias = register_parameter("bias", DistributedParameter({d}, dtype, init::zeros()));
+}
+
+at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
+  return at::layer_norm(x, {dim}, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), eps);
+}
+
+RMSNormImpl::RMSNormImpl(int64_t d, double e, at::ScalarType dtype) : dim(d), eps(e) {
+  weight = register_parameter("weight", DistributedParameter({d}, dtype, init::ones()));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  return normed.to(x.scalar_type()) * gathered(weight);
+}
+
+EmbeddingImpl::EmbeddingImpl(int64_t n, int64_t d, at::ScalarType dtype, InitMethod weight_init)
+    : num_embeddings(n), dim(d) {
+  weight = register_parameter("weight", DistributedParameter({n, d}, dtype, std::move(weight_init)));
+}
+
+at::Tensor EmbeddingImpl::forward(const at::Tensor& ids) { return at::embedding(gathered(weight), ids); }
+
+at::Tensor EmbeddingImpl::projection(const at::Tensor& x, const at::Tensor& w) {
+  return at::linear(x, w.defined() ? w : gathered(weight));
+}
+
+}  // namespace bmt::nn

@@ -1,0 +1,54 @@
+// Basic layers over DistributedParameters (ZeRO-sharded, not tensor-parallel): Linear, LayerNorm, RMSNorm,
+// Embedding. Parameters are gathered with bmt::gathered() once per forward (a no-op inside a running Block).
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "bmt/parameter.h"
+
+namespace bmt::nn {
+
+class LinearImpl : public torch::nn::Module {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features, bool bias = true, at::ScalarType dtype = at::kFloat,
+             InitMethod weight_init = init::normal(0.0, 0.02));
+  at::Tensor forward(const at::Tensor& x);
+  int64_t in_features, out_features;
+  at::Tensor weight, bias;  // weight (out, in)
+};
+TORCH_MODULE(Linear);
+
+class LayerNormImpl : public torch::nn::Module {
+ public:
+  explicit LayerNormImpl(int64_t dim, double eps = 1e-5, at::ScalarType dtype = at::kFloat, bool bias = true);
+  at::Tensor forward(const at::Tensor& x);
+  int64_t dim;
+  double eps;
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(LayerNorm);
+
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  explicit RMSNormImpl(int64_t dim, double eps = 1e-6, at::ScalarType dtype = at::kFloat);
+  at::Tensor forward(const at::Tensor& x);
+  int64_t dim;
+  double eps;
+  at::Tensor weight;
+};
+TORCH_MODULE(RMSNorm);
+
+class EmbeddingImpl : public torch::nn::Module {
+ public:
+  EmbeddingImpl(int64_t num_embeddings, int64_t dim, at::ScalarType dtype = at::kFloat,
+                InitMethod weight_init = init::normal(0.0, 0.02));
+  at::Tensor forward(const at::Tensor& ids);
+  // logits = x · weightᵀ (tied output projection), reusing an already gathered weight when given.
+  at::Tensor projection(const at::Tensor& x, const at::Tensor& gathered_weight = {});
+  int64_t num_embeddings, dim;
+  at::Tensor weight;  // (num_embeddings, dim)
+};
+TORCH_MODULE(Embedding);
+
+}  // namespace bmt::nn

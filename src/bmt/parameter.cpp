@@ -1,0 +1,208 @@
+#include "bmt/parameter.h"
+
+#include <torch/autograd.h>
+#include <torch/nn/init.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "bmt/block.h"
+#include "bmt/core/error.h"
+#include "bmt/init.h"
+#include "bmt/param_registry.h"
+#include "bmt/tensor_adapter.h"
+
+namespace bmt {
+namespace {
+
+std::mutex g_mutex;
+// The weak reference keeps a dead parameter's TensorImpl address from being reused while its entry exists,
+// and tells a lookup that the parameter is gone.
+struct MetaEntry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> impl{c10::weak_intrusive_ptr<c10::TensorImpl>::reclaim(nullptr)};
+  std::shared_ptr<ParamMeta> meta;
+};
+std::unordered_map<const void*, MetaEntry>& metas() {
+  static std::unordered_map<const void*, MetaEntry> map;
+  return map;
+}
+
+int64_t partition_numel(int64_t full_numel, int world) { return (full_numel + world - 1) / world; }
+
+void register_meta(const at::Tensor& t, std::shared_ptr<ParamMeta> meta) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto& map = metas();
+  for (auto it = map.begin(); it != map.end();) it = it->second.impl.expired() ? map.erase(it) : std::next(it);
+  map[t.unsafeGetTensorImpl()] = MetaEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), std::move(meta)};
+}
+
+at::Tensor make_shard(const ParamMeta& m, bool requires_grad) {
+  at::Tensor t = at::zeros({m.shard_end - m.shard_begin},
+                           at::TensorOptions().dtype(m.dtype).device(config().device));
+  t.set_requires_grad(requires_grad);
+  return t;
+}
+
+// All-gathers a standalone (non-Block) parameter into its full shape.
+at::Tensor raw_gather(const at::Tensor& param, const ParamMeta& m) {
+  core::Communicator& comm = *m.comm;
+  const int64_t part = partition_numel(m.full_numel, comm.size());
+  at::Tensor padded = at::zeros({part}, param.options().requires_grad(false));
+  if (param.numel() > 0) padded.narrow(0, 0, param.numel()).copy_(param.detach());
+  at::Tensor full = at::empty({part * comm.size()}, padded.options());
+  comm.all_gather(padded.data_ptr(), full.data_ptr(), part, to_core_dtype(m.dtype), current_stream_handle(full));
+  return full.narrow(0, 0, m.full_numel).view(m.full_shape);
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct GatherParamFn : torch::autograd::Function<GatherParamFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& param) {
+    ctx->saved_data["impl"] = reinterpret_cast<int64_t>(param.unsafeGetTensorImpl());
+    ctx->save_for_backward({param});
+    return raw_gather(param, meta_of(param));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor param = ctx->get_saved_variables()[0];
+    const ParamMeta& m = meta_of(param);
+    core::Communicator& comm = *m.comm;
+    const int64_t part = partition_numel(m.full_numel, comm.size());
+    at::ScalarType acc = at::kFloat;
+    if (m.dtype == at::kDouble) acc = at::kDouble;
+    at::Tensor flat = at::zeros({part * comm.size()}, grads[0].options().dtype(acc));
+    flat.narrow(0, 0, m.full_numel).copy_(grads[0].reshape({-1}));
+    at::Tensor mine = at::empty({part}, flat.options());
+    comm.reduce_scatter(flat.data_ptr(), mine.data_ptr(), part, to_core_dtype(acc), core::ReduceOp::kSum,
+                        current_stream_handle(flat));
+    at::Tensor g = ensure_main_grad(param);
+    if (g.numel() > 0) g.add_(mine.narrow(0, 0, g.numel()));
+    return {at::Tensor()};
+  }
+};
+
+}  // namespace
+
+namespace init {
+InitMethod normal(double mean, double std) {
+  return [=](at::Tensor& t) { torch::nn::init::normal_(t, mean, std); };
+}
+InitMethod uniform(double low, double high) {
+  return [=](at::Tensor& t) { torch::nn::init::uniform_(t, low, high); };
+}
+InitMethod constant(double value) {
+  return [=](at::Tensor& t) { torch::nn::init::constant_(t, value); };
+}
+InitMethod zeros() { return constant(0.0); }
+InitMethod ones() { return constant(1.0); }
+InitMethod xavier_normal() {
+  return [](at::Tensor& t) { torch::nn::init::xavier_normal_(t); };
+}
+}  // namespace init
+
+at::Tensor DistributedParameter(at::IntArrayRef full_shape, at::ScalarType dtype, InitMethod init_method,
+                                bool requires_grad, std::shared_ptr<core::Communicator> comm) {
+  const Config& cfg = config();
+  auto m = std::make_shared<ParamMeta>();
+  m->full_shape = full_shape.vec();
+  m->full_numel = 1;
+  for (int64_t d : full_shape) {
+    BMT_CHECK(d >= 0, "DistributedParameter: negative dimension in shape ", full_shape);
+    m->full_numel *= d;
+  }
+  m->dtype = dtype;
+  m->comm = comm ? std::move(comm) : cfg.zero_comm;
+  const int64_t part = partition_numel(m->full_numel, m->comm->size());
+  m->shard_begin = std::min(m->full_numel, part * m->comm->rank());
+  m->shard_end = std::min(m->full_numel, m->shard_begin + part);
+  m->init_method = std::move(init_method);
+  at::Tensor t = make_shard(*m, requires_grad);
+  set_replication(t, cfg.world_size / m->comm->size());
+  register_meta(t, std::move(m));
+  return t;
+}
+
+at::Tensor DistributedParameter(const at::Tensor& full, bool requires_grad, std::shared_ptr<core::Communicator> comm) {
+  at::Tensor t = DistributedParameter(full.sizes(), full.scalar_type(), nullptr, requires_grad, std::move(comm));
+  scatter_full(t, full);
+  return t;
+}
+
+bool is_distributed_param(const at::Tensor& param) { return find_meta(param) != nullptr; }
+
+ParamMeta* find_meta(const at::Tensor& param) {
+  if (!param.defined()) return nullptr;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = metas().find(param.unsafeGetTensorImpl());
+  if (it == metas().end()) return nullptr;
+  if (it->second.impl.expired()) {
+    metas().erase(it);
+    return nullptr;
+  }
+  return it->second.meta.get();
+}
+
+ParamMeta& meta_of(const at::Tensor& param) {
+  ParamMeta* m = find_meta(param);
+  BMT_CHECK(m != nullptr, "tensor of shape ", param.sizes(), " is not a bmt::DistributedParameter (create it with "
+            "bmt::DistributedParameter(...))");
+  return *m;
+}
+
+at::Tensor gathered(const at::Tensor& param) {
+  ParamMeta& m = meta_of(param);
+  if (m.block && m.block->is_gathered()) return param;  // the Block already points it at the full tensor
+  BMT_CHECK(m.block == nullptr, "parameter of shape ", at::IntArrayRef(m.full_shape),
+            " belongs to a Block that is not running: call the Block (or bmt::state_dict) instead of gathering it");
+  if (!at::GradMode::is_enabled() || !param.requires_grad()) {
+    at::NoGradGuard guard;
+    return raw_gather(param, m);
+  }
+  return GatherParamFn::apply(param);
+}
+
+at::Tensor gather_full(const at::Tensor& param) {
+  ParamMeta& m = meta_of(param);
+  at::NoGradGuard guard;
+  if (m.block) return m.block->gather_param_copy(param);
+  return raw_gather(param, m).clone();
+}
+
+void scatter_full(const at::Tensor& param, const at::Tensor& full) {
+  ParamMeta& m = meta_of(param);
+  BMT_CHECK(full.numel() == m.full_numel, "scatter_full: value has shape ", full.sizes(), " but the parameter has ",
+            at::IntArrayRef(m.full_shape));
+  at::NoGradGuard guard;
+  if (m.block) {
+    m.block->scatter_param(param, full);
+    return;
+  }
+  if (param.numel() > 0)
+    param.copy_(full.reshape({-1}).narrow(0, m.shard_begin, m.shard_end - m.shard_begin));
+}
+
+void init_parameters(torch::nn::Module& module) {
+  at::NoGradGuard guard;
+  for (auto& item : module.named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    ParamMeta* m = find_meta(p);
+    if (!m || !m->init_method) continue;
+    at::Tensor full = at::empty(m->full_shape, at::TensorOptions().dtype(m->dtype).device(config().device));
+    m->init_method(full);
+    scatter_full(p, full);
+  }
+  seed_per_data_parallel_rank();
+}
+
+at::Tensor ensure_main_grad(const at::Tensor& param) {
+  at::Tensor g = main_grad(param);
+  if (g.defined() && is_distributed_param(param)) return g;
+  ParamMeta& m = meta_of(param);
+  at::ScalarType gt = (m.dtype == at::kHalf || m.dtype == at::kBFloat16) ? at::kFloat : m.dtype;
+  g = at::zeros({param.numel()}, param.options().dtype(gt).requires_grad(false));
+  set_main_grad(param, g);
+  if (gt == m.dtype) param.mutable_grad() = g;
+  return g;
+}
+
+}  // namespace bmt

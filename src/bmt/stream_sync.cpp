@@ -1,0 +1,27 @@
+#include "bmt/stream_sync.h"
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include "bmt/init.h"
+
+namespace bmt {
+
+std::optional<c10::Stream> compute_stream() {
+  const Config& cfg = config();
+  if (!cfg.device.is_cuda()) return std::nullopt;
+  c10::impl::VirtualGuardImpl impl(cfg.device.type());
+  return impl.getStream(cfg.device);
+}
+
+std::optional<c10::Stream> comm_stream() { return config().load_stream; }
+
+void stream_wait(const std::optional<c10::Stream>& waiter, const std::optional<c10::Stream>& producer) {
+  if (!waiter || !producer || *waiter == *producer) return;
+  c10::Event event(producer->device_type());
+  event.record(*producer);
+  event.block(*waiter);
+}
+
+void wait_for_gradient_reduction() { stream_wait(compute_stream(), comm_stream()); }
+
+}  // namespace bmt

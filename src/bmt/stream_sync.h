@@ -1,0 +1,22 @@
+// Stream ordering helpers for the engine, device-agnostic through c10::Stream / c10::Event: on CUDA they
+// record an event on one stream and make another wait for it (no host sync); on CPU (no streams configured)
+// they do nothing, since Gloo collectives complete before returning.
+#pragma once
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <optional>
+
+namespace bmt {
+
+// The current stream of the configured device, or nullopt on CPU.
+std::optional<c10::Stream> compute_stream();
+// The ZeRO communication stream (config().load_stream), or nullopt on CPU.
+std::optional<c10::Stream> comm_stream();
+// Makes `waiter` wait for the work queued so far on `producer`.
+void stream_wait(const std::optional<c10::Stream>& waiter, const std::optional<c10::Stream>& producer);
+// Makes the compute stream wait for every gradient reduction queued so far (call before reading gradients).
+void wait_for_gradient_reduction();
+
+}  // namespace bmt
