@@ -20,6 +20,8 @@ function(bmt_add_test)
   target_link_libraries(${T_NAME} PRIVATE bmt bmt_test_support GTest::gtest GTest::gtest_main)
   target_precompile_headers(${T_NAME} REUSE_FROM bmt_test_support)
   bmt_set_warnings(${T_NAME})
-  gtest_discover_tests(${T_NAME} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
+  # gtest_discover_tests flattens list-valued properties (and the pairs after them): one label per binary.
+  list(GET T_LABELS 0 _label)
+  gtest_discover_tests(${T_NAME} PROPERTIES LABELS ${_label} TIMEOUT ${T_TIMEOUT}
                        DISCOVERY_TIMEOUT 120)
 endfunction()
