@@ -58,6 +58,15 @@ else()
   message(STATUS "bmtrain: CUDA OFF (CPU-only build, Gloo backend)")
 endif()
 
+if(BMT_CUDA AND NOT TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+  # Torch's CMake adds -gencode flags for its own default list (incl. archs nvcc 13 dropped) unless told.
+  set(_bmt_arch_list "")
+  foreach(_a ${BMT_CUDA_ARCHITECTURES})
+    string(REGEX REPLACE "^([0-9]+)([0-9])$" "\\1.\\2" _dotted "${_a}")
+    list(APPEND _bmt_arch_list "${_dotted}")
+  endforeach()
+  set(TORCH_CUDA_ARCH_LIST "${_bmt_arch_list}")
+endif()
 find_package(Torch REQUIRED)
 # TorchConfig adds its flags to CMAKE_CXX_FLAGS for consumers; keep them.
 set(CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS} ${TORCH_CXX_FLAGS}")

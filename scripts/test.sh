@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): set up, build the CPU configuration and run its `cpu` and `multirank`
+# tests; when nvcc is present, also build the CUDA configuration (compile + link; its `cuda` tests run on a GPU
+# machine: scripts/gpu_check.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+start=$(date +%s)
+bash scripts/build.sh cpu
+echo "[test] CPU build done in $(( $(date +%s) - start )) s"
+( cd build && ctest --output-on-failure -j2 -L 'cpu|multirank' --timeout 900 )
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  start=$(date +%s)
+  bash scripts/build.sh cuda
+  echo "[test] CUDA build (compile + link only, no GPU here) done in $(( $(date +%s) - start )) s"
+fi

@@ -1,0 +1,12 @@
+// Umbrella header for C++ users of bmtrain. Library code includes the narrow headers instead.
+#pragma once
+
+#include "bmt/block.h"
+#include "bmt/block_list.h"
+#include "bmt/distributed.h"
+#include "bmt/init.h"
+#include "bmt/memory_stats.h"
+#include "bmt/nn/layers.h"
+#include "bmt/param_registry.h"
+#include "bmt/parameter.h"
+#include "bmt/state_dict.h"
