@@ -1,0 +1,30 @@
+// AdamOptimizer: Adam with decoupled weight decay (AdamW) and bias correction over (sharded) parameter tensors,
+// state on the parameter's device (BMTrain's bmt.optim.AdamOptimizer, minus its fp32/half inconsistencies).
+//
+//  * fp32 parameters are updated in place; fp16/bf16 parameters get an fp32 master copy of the local shard, and
+//    the updated value is written back rounded to nearest even. Moments are fp32 and unscaled for every dtype.
+//  * step(loss_scale) divides gradients by loss_scale inside the fused kernel. Gradients come from
+//    bmt::main_grad(p); parameters that do not require grad or have no gradient are skipped (their step count
+//    does not advance).
+//  * One fused multi-tensor kernel per step: CPU parameters run core::kernels::adam_cpu on the global ThreadPool,
+//    CUDA parameters core::kernels::adam_cuda on each device's current stream (no host synchronisation).
+//  * Matches torch::optim::AdamW with the same hyper-parameters (amsgrad off) up to float rounding.
+#pragma once
+
+#include "bmt/optim/adam_base.h"
+
+namespace bmt::optim {
+
+class AdamOptimizer : public AdamBase {
+ public:
+  explicit AdamOptimizer(std::vector<at::Tensor> params, const AdamOptions& defaults = {});
+  explicit AdamOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                         const AdamOptions& defaults = {});
+  explicit AdamOptimizer(const std::vector<ParamGroupSpec>& param_groups, const AdamOptions& defaults = {});
+
+ protected:
+  void do_step(double loss_scale) override;
+  AdamState new_state(const at::Tensor& p) const override;
+};
+
+}  // namespace bmt::optim

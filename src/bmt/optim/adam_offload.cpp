@@ -1,0 +1,230 @@
+#include "bmt/optim/adam_offload.h"
+
+#include <ATen/core/grad_mode.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <functional>
+#include <map>
+
+#include "bmt/core/error.h"
+#include "bmt/tensor_adapter.h"
+
+#ifdef BMT_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace bmt::optim {
+
+using core::kernels::AdamTensorArgs;
+using core::kernels::ThreadPool;
+
+struct AdamOffloadOptimizer::Staging {
+  at::Tensor grad_host;   // pinned, gradient dtype
+  at::Tensor param_host;  // pinned, parameter dtype: the kernel's output, copied back to the device
+#ifdef BMT_WITH_CUDA
+  at::cuda::CUDAEvent d2h_done;
+#endif
+};
+
+struct AdamOffloadOptimizer::CudaStreams {
+#ifdef BMT_WITH_CUDA
+  std::map<int, c10::cuda::CUDAStream> copy;  // one copy stream per device, created on first use
+  c10::cuda::CUDAStream copy_stream(int device) {
+    auto it = copy.find(device);
+    if (it == copy.end())
+      it = copy.emplace(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
+                                                             static_cast<c10::DeviceIndex>(device)))
+               .first;
+    return it->second;
+  }
+#endif
+};
+
+AdamOffloadOptimizer::AdamOffloadOptimizer(std::vector<at::Tensor> params, const AdamOptions& defaults)
+    : AdamOffloadOptimizer(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(std::move(params))},
+                           defaults) {}
+
+AdamOffloadOptimizer::AdamOffloadOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                                           const AdamOptions& defaults)
+    : AdamBase(param_groups, defaults),
+      tasks_(std::make_unique<ThreadPool::TaskGroup>(ThreadPool::global())),
+      cuda_(std::make_unique<CudaStreams>()) {}
+
+AdamOffloadOptimizer::AdamOffloadOptimizer(const std::vector<ParamGroupSpec>& param_groups,
+                                           const AdamOptions& defaults)
+    : AdamOffloadOptimizer(make_param_groups(param_groups, defaults), defaults) {}
+
+AdamOffloadOptimizer::~AdamOffloadOptimizer() {
+  try {
+    wait();
+  } catch (...) {
+  }
+}
+
+AdamState AdamOffloadOptimizer::new_state(const at::Tensor& p) const {
+  AdamState s;
+  auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+  s.exp_avg = at::zeros(p.sizes(), f32);
+  s.exp_avg_sq = at::zeros(p.sizes(), f32);
+  if (p.scalar_type() != at::kFloat) s.master = p.detach().to(f32, /*non_blocking=*/false, /*copy=*/true);
+  return s;
+}
+
+void AdamOffloadOptimizer::submit_chunks(const AdamTensorArgs& args, float inv_scale, std::function<void()> before,
+                                         std::function<void()> after) {
+  const int64_t chunk = core::kernels::kAdamCpuChunkElems;
+  int64_t num_chunks = (args.numel + chunk - 1) / chunk;
+  if (num_chunks == 0) {
+    if (after) tasks_->run(std::move(after));
+    return;
+  }
+  auto remaining = std::make_shared<std::atomic<int64_t>>(num_chunks);
+  auto before_fn = std::make_shared<std::function<void()>>(std::move(before));
+  auto after_fn = std::make_shared<std::function<void()>>(std::move(after));
+  const core::kernels::CpuIsa isa = core::kernels::adam_cpu_best_isa();
+  for (int64_t b = 0; b < args.numel; b += chunk) {
+    int64_t e = std::min(args.numel, b + chunk);
+    tasks_->run([=] {
+      if (*before_fn) (*before_fn)();
+      core::kernels::adam_cpu_range_isa(args, inv_scale, b, e, isa);
+      if (remaining->fetch_sub(1) == 1 && *after_fn) (*after_fn)();
+    });
+  }
+}
+
+void AdamOffloadOptimizer::start_one(const at::Tensor& p, const AdamOptions& o, float inv_scale) {
+  BMT_CHECK(started_.count(p.unsafeGetTensorImpl()) == 0, "AdamOffloadOptimizer: a parameter of shape ", p.sizes(),
+            " was already started in this iteration; call step() or zero_grad() to end the iteration first");
+  at::Tensor grad = usable_grad(p);
+  if (!grad.defined()) return;
+  started_.insert(p.unsafeGetTensorImpl());
+  AdamState& s = state_for(p);
+  s.step += 1;
+  in_flight_.push_back(grad);
+  in_flight_.push_back(p);
+  if (p.is_cpu()) {
+    AdamTensorArgs a = kernel_args(p.data_ptr(), p, grad, s, o);
+    core::kernels::adam_check_args(a, "parameter");
+    submit_chunks(a, inv_scale, nullptr, nullptr);
+    return;
+  }
+#ifdef BMT_WITH_CUDA
+  BMT_CHECK(p.is_cuda(), "AdamOffloadOptimizer: parameters on ", p.device(), " are not supported (CPU or CUDA)");
+  auto& slot = staging_[p.unsafeGetTensorImpl()];
+  if (!slot || slot->grad_host.scalar_type() != grad.scalar_type()) {
+    slot = std::make_unique<Staging>();
+    auto host = at::TensorOptions().device(at::kCPU).pinned_memory(true);
+    slot->grad_host = at::empty(p.sizes(), host.dtype(grad.scalar_type()));
+    slot->param_host = at::empty(p.sizes(), host.dtype(p.scalar_type()));
+  }
+  Staging* st = slot.get();
+  const c10::DeviceIndex device = p.device().index();
+  c10::cuda::CUDAGuard guard(device);
+  c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device);
+  c10::cuda::CUDAStream copy = cuda_->copy_stream(device);
+  at::cuda::CUDAEvent grads_ready;
+  grads_ready.record(compute);
+  grads_ready.block(copy);
+  {
+    c10::cuda::CUDAStreamGuard on_copy(copy);
+    st->grad_host.copy_(grad.view(p.sizes()), /*non_blocking=*/true);
+    if (p.scalar_type() == at::kFloat) st->param_host.copy_(p.detach(), /*non_blocking=*/true);
+    st->d2h_done.record(copy);
+  }
+  AdamTensorArgs a = kernel_args(st->param_host.data_ptr(), p, st->grad_host, s, o);
+  core::kernels::adam_check_args(a, "parameter");
+  at::Tensor param = p;
+  submit_chunks(
+      a, inv_scale, [st] { st->d2h_done.synchronize(); },
+      [st, param, device, copy] {
+        at::NoGradGuard no_grad;
+        c10::cuda::CUDAGuard guard(device);
+        c10::cuda::CUDAStreamGuard on_copy(copy);
+        param.detach().copy_(st->param_host, /*non_blocking=*/true);
+      });
+#else
+  BMT_ERROR("AdamOffloadOptimizer: parameters on ", p.device(),
+            " need a bmtrain build with CUDA (BMT_WITH_CUDA); this build handles CPU parameters only");
+#endif
+}
+
+void AdamOffloadOptimizer::step_params(const std::vector<size_t>& flat_indices, double loss_scale) {
+  BMT_CHECK(std::isfinite(loss_scale) && loss_scale > 0, "step_params: loss_scale must be finite and > 0, got ",
+            loss_scale);
+  validate_groups();
+  std::vector<std::pair<size_t, size_t>> where;  // flat index -> (group, position)
+  for (size_t g = 0; g < param_groups_.size(); ++g)
+    for (size_t i = 0; i < param_groups_[g].params().size(); ++i) where.emplace_back(g, i);
+  at::NoGradGuard no_grad;
+  const float inv_scale = static_cast<float>(1.0 / loss_scale);
+  for (size_t idx : flat_indices) {
+    BMT_CHECK(idx < where.size(), "step_params: flat index ", idx, " out of range (", where.size(), " parameters)");
+    auto [g, i] = where[idx];
+    start_one(param_groups_[g].params()[i], group_options(g), inv_scale);
+  }
+}
+
+void AdamOffloadOptimizer::step_params(const std::vector<at::Tensor>& params, double loss_scale) {
+  std::unordered_map<const void*, size_t> index;
+  std::vector<at::Tensor> flat = flat_params();
+  for (size_t k = 0; k < flat.size(); ++k) index[flat[k].unsafeGetTensorImpl()] = k;
+  std::vector<size_t> indices;
+  for (const auto& p : params) {
+    auto it = index.find(p.unsafeGetTensorImpl());
+    BMT_CHECK(it != index.end(), "step_params: a tensor of shape ", p.sizes(), " is not a parameter of this optimizer");
+    indices.push_back(it->second);
+  }
+  step_params(indices, loss_scale);
+}
+
+void AdamOffloadOptimizer::wait() {
+  std::exception_ptr err;
+  try {
+    tasks_->wait();
+  } catch (...) {
+    err = std::current_exception();
+  }
+#ifdef BMT_WITH_CUDA
+  for (auto& [device, copy] : cuda_->copy) {
+    at::cuda::CUDAEvent copies_done;
+    copies_done.record(copy);
+    copies_done.block(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)));
+  }
+#endif
+  in_flight_.clear();
+  if (err) std::rethrow_exception(err);
+}
+
+void AdamOffloadOptimizer::end_iteration() {
+  wait();
+  started_.clear();
+}
+
+void AdamOffloadOptimizer::do_step(double loss_scale) {
+  std::vector<size_t> rest;
+  std::vector<at::Tensor> flat = flat_params();
+  for (size_t k = 0; k < flat.size(); ++k)
+    if (!started_.count(flat[k].unsafeGetTensorImpl())) rest.push_back(k);
+  try {
+    step_params(rest, loss_scale);
+  } catch (...) {
+    try {
+      end_iteration();
+    } catch (...) {
+    }
+    throw;
+  }
+  end_iteration();
+}
+
+void AdamOffloadOptimizer::before_zero_grad() { end_iteration(); }
+
+void AdamOffloadOptimizer::load_state_dict(const StateDict& sd) {
+  end_iteration();
+  AdamBase::load_state_dict(sd);
+}
+
+}  // namespace bmt::optim

@@ -1,0 +1,227 @@
+#include "bmt/optim/optim_manager.h"
+
+#include <ATen/core/grad_mode.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <iostream>
+#include <sstream>
+#include <unordered_set>
+
+#include "bmt/core/error.h"
+#include "bmt/init.h"
+#include "bmt/optim/grad_utils.h"
+#include "bmt/optim/optimizer.h"
+#include "bmt/param_registry.h"
+
+namespace bmt::optim {
+namespace {
+
+core::Communicator* world_comm() { return is_initialized() ? config().comm.get() : nullptr; }
+
+void print_once(const std::string& msg) {
+  if (!is_initialized() || rank() == 0) std::cout << msg << std::endl;
+}
+
+std::vector<at::Tensor> params_of(const torch::optim::Optimizer& opt) {
+  std::vector<at::Tensor> out;
+  for (const auto& group : opt.param_groups())
+    for (const auto& p : group.params()) out.push_back(p);
+  return out;
+}
+
+}  // namespace
+
+OptimManager::OptimManager(const OptimManagerOptions& options) : options_(options) {
+  auto& o = options_;
+  BMT_CHECK(std::isfinite(o.loss_scale) && o.loss_scale >= 0, "OptimManager: loss_scale must be >= 0 (0 disables ",
+            "loss scaling), got ", o.loss_scale);
+  BMT_CHECK(std::isfinite(o.loss_scale_factor) && o.loss_scale_factor > 0,
+            "OptimManager: loss_scale_factor must be > 0, got ", o.loss_scale_factor);
+  if (o.loss_scale_factor < 1) o.loss_scale_factor = 1.0 / o.loss_scale_factor;  // BMTrain inverts it
+  BMT_CHECK(o.loss_scale_steps >= 1, "OptimManager: loss_scale_steps must be >= 1, got ", o.loss_scale_steps);
+  BMT_CHECK(std::isfinite(o.min_loss_scale) && o.min_loss_scale > 0, "OptimManager: min_loss_scale must be > 0, got ",
+            o.min_loss_scale);
+  BMT_CHECK(o.max_loss_scale >= o.min_loss_scale, "OptimManager: max_loss_scale (", o.max_loss_scale,
+            ") must be >= min_loss_scale (", o.min_loss_scale, ")");
+  BMT_CHECK(std::isfinite(o.grad_scale) && o.grad_scale >= 0, "OptimManager: grad_scale must be > 0 (or 0 for the ",
+            "default), got ", o.grad_scale);
+  loss_scale_enabled_ = o.loss_scale > 0;
+  if (loss_scale_enabled_) {
+    BMT_CHECK(o.loss_scale >= o.min_loss_scale && o.loss_scale <= o.max_loss_scale, "OptimManager: loss_scale ",
+              o.loss_scale, " is outside [min_loss_scale, max_loss_scale] = [", o.min_loss_scale, ", ",
+              o.max_loss_scale, "]");
+    loss_scale_ = o.loss_scale;
+  }
+  grad_scale_ = o.grad_scale > 0 ? o.grad_scale : (is_initialized() ? static_cast<double>(config().zero_size) : 1.0);
+}
+
+void OptimManager::add_optimizer(std::shared_ptr<torch::optim::Optimizer> optimizer,
+                                 std::shared_ptr<lr_scheduler::WarmupLRScheduler> lr_scheduler) {
+  BMT_CHECK(optimizer != nullptr, "OptimManager::add_optimizer: the optimizer is null");
+  for (const auto& o : optimizers_)
+    BMT_CHECK(o.get() != optimizer.get(), "OptimManager::add_optimizer: this optimizer was already added");
+  if (lr_scheduler)
+    BMT_CHECK(&lr_scheduler->optimizer() == optimizer.get(),
+              "OptimManager::add_optimizer: the LR scheduler drives a different optimizer");
+  optimizers_.push_back(std::move(optimizer));
+  schedulers_.push_back(std::move(lr_scheduler));
+}
+
+std::vector<at::Tensor> OptimManager::all_params() const {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& opt : optimizers_)
+    for (const auto& p : params_of(*opt))
+      if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  return out;
+}
+
+void OptimManager::zero_grad() {
+  for (const auto& opt : optimizers_) {
+    if (auto* bmt_opt = dynamic_cast<BmtOptimizer*>(opt.get())) {
+      bmt_opt->zero_grad(/*set_to_none=*/false);
+    } else {
+      opt->zero_grad(/*set_to_none=*/false);
+    }
+  }
+}
+
+at::Tensor OptimManager::scale_loss(const at::Tensor& loss) const { return loss * (loss_scale_ / grad_scale_); }
+
+void OptimManager::backward(const at::Tensor& loss) { scale_loss(loss).backward(); }
+
+void OptimManager::set_scale(double new_scale, const char* why) {
+  if (new_scale == loss_scale_) return;
+  print_once(core::concat(why, ", change scale from ", loss_scale_, " to ", new_scale));
+  loss_scale_ = new_scale;
+}
+
+bool OptimManager::step() {
+  std::vector<at::Tensor> params = all_params();
+  if (grads_have_inf_nan(params, world_comm())) {
+    ++num_skipped_steps_;
+    steps_since_last_scale_ = 0;
+    if (loss_scale_enabled_ && loss_scale_ > options_.min_loss_scale) {
+      set_scale(std::max(options_.min_loss_scale, loss_scale_ / options_.loss_scale_factor), "Gradient overflow");
+    } else {
+      print_once(loss_scale_enabled_ ? core::concat("Gradient overflow at the minimum loss scale ", loss_scale_,
+                                                    "; step skipped")
+                                     : std::string("Gradient contains inf/NaN (loss scaling disabled); step skipped"));
+    }
+    zero_grad();
+    return false;
+  }
+  for (const auto& opt : optimizers_) {
+    if (auto* bmt_opt = dynamic_cast<BmtOptimizer*>(opt.get())) {
+      bmt_opt->step(loss_scale_);
+    } else {
+      if (loss_scale_ != 1.0) {
+        at::NoGradGuard no_grad;
+        for (const auto& p : params_of(*opt))
+          if (p.grad().defined()) p.mutable_grad().div_(loss_scale_);
+      }
+      opt->step();
+    }
+  }
+  for (const auto& sched : schedulers_)
+    if (sched) sched->step();
+  if (loss_scale_enabled_) {
+    ++steps_since_last_scale_;
+    if (steps_since_last_scale_ >= options_.loss_scale_steps && loss_scale_ < options_.max_loss_scale) {
+      set_scale(std::min(options_.max_loss_scale, loss_scale_ * options_.loss_scale_factor),
+                core::concat(options_.loss_scale_steps, " steps without overflow").c_str());
+      steps_since_last_scale_ = 0;
+    }
+  }
+  return true;
+}
+
+double OptimManager::clip_grad_norm(double max_norm, double norm_type, double eps) {
+  return clip_grad_norm(all_params(), max_norm, norm_type, eps);
+}
+
+double OptimManager::clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, double norm_type,
+                                    double eps) {
+  BMT_CHECK(std::isfinite(max_norm) && max_norm > 0, "clip_grad_norm: max_norm must be > 0, got ", max_norm);
+  BMT_CHECK(std::isfinite(eps) && eps >= 0, "clip_grad_norm: eps must be >= 0, got ", eps);
+  // Gradients carry loss_scale / grad_scale relative to d(loss)/d(p) * (1 / grad_scale); the optimizer divides by
+  // loss_scale only, so the unscaled norm is norm / loss_scale.
+  double total = global_grad_norm(params, norm_type, world_comm()) / loss_scale_;
+  if (!std::isfinite(total)) return total;
+  double clip_coef = max_norm / (total + eps);
+  if (clip_coef < 1.0) scale_grads(params, clip_coef);
+  return total;
+}
+
+StateDict OptimManager::state_dict() const {
+  StateDict sd;
+  sd["loss_scale"] = scalar_entry(loss_scale_);
+  sd["loss_scale_enabled"] = int_entry(loss_scale_enabled_ ? 1 : 0);
+  sd["steps_since_last_scale"] = int_entry(steps_since_last_scale_);
+  sd["num_optimizers"] = int_entry(static_cast<int64_t>(optimizers_.size()));
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    std::string prefix = core::concat("optimizers.", k, ".");
+    if (auto* bmt_opt = dynamic_cast<const BmtOptimizer*>(optimizers_[k].get())) {
+      put_prefixed(sd, prefix, bmt_opt->state_dict());
+    } else {
+      torch::serialize::OutputArchive archive;
+      optimizers_[k]->save(archive);
+      std::ostringstream os;
+      archive.save_to(os);
+      sd[prefix + "torch_archive"] = bytes_to_tensor(os.str());
+      std::vector<at::Tensor> params = params_of(*optimizers_[k]);
+      sd[prefix + "num_params"] = int_entry(static_cast<int64_t>(params.size()));
+      for (size_t i = 0; i < params.size(); ++i)
+        sd[core::concat(prefix, "param.", i, ".shape")] = at::tensor(params[i].sizes().vec(), at::kLong);
+    }
+    if (schedulers_[k]) put_prefixed(sd, core::concat("lr_schedulers.", k, "."), schedulers_[k]->state_dict());
+  }
+  return sd;
+}
+
+void OptimManager::load_state_dict(const StateDict& sd) {
+  const char* what = "OptimManager";
+  int64_t n = get_int(sd, "num_optimizers", what);
+  BMT_CHECK(n == static_cast<int64_t>(optimizers_.size()), "load_state_dict of OptimManager: the state dict has ", n,
+            " optimizers but this manager has ", optimizers_.size());
+  // Check everything that can be checked before changing anything.
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    std::string prefix = core::concat("optimizers.", k, ".");
+    bool has_sched = !get_prefixed(sd, core::concat("lr_schedulers.", k, ".")).empty();
+    BMT_CHECK(has_sched == (schedulers_[k] != nullptr), "load_state_dict of OptimManager: optimizer ", k,
+              has_sched ? " has no LR scheduler but the state dict has one" : " has an LR scheduler but the state dict has none");
+    if (dynamic_cast<BmtOptimizer*>(optimizers_[k].get()) == nullptr) {
+      std::vector<at::Tensor> params = params_of(*optimizers_[k]);
+      BMT_CHECK(get_int(sd, prefix + "num_params", what) == static_cast<int64_t>(params.size()),
+                "load_state_dict of OptimManager: optimizer ", k, " has ", params.size(),
+                " parameters but the state dict a different number (a different model?)");
+      for (size_t i = 0; i < params.size(); ++i) {
+        at::Tensor shape = get_entry(sd, core::concat(prefix, "param.", i, ".shape"), what).to(at::kLong).contiguous();
+        at::IntArrayRef saved(shape.data_ptr<int64_t>(), static_cast<size_t>(shape.numel()));
+        BMT_CHECK(saved == params[i].sizes(), "load_state_dict of OptimManager: optimizer ", k, " parameter ", i,
+                  " has shape ", params[i].sizes(), " but the state dict has ", saved, " (a different model?)");
+      }
+      get_entry(sd, prefix + "torch_archive", what);
+    }
+  }
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    std::string prefix = core::concat("optimizers.", k, ".");
+    if (auto* bmt_opt = dynamic_cast<BmtOptimizer*>(optimizers_[k].get())) {
+      bmt_opt->load_state_dict(get_prefixed(sd, prefix));
+    } else {
+      std::istringstream is(tensor_to_bytes(get_entry(sd, prefix + "torch_archive", what)));
+      torch::serialize::InputArchive archive;
+      archive.load_from(is);
+      optimizers_[k]->load(archive);
+    }
+    if (schedulers_[k]) schedulers_[k]->load_state_dict(get_prefixed(sd, core::concat("lr_schedulers.", k, ".")));
+  }
+  loss_scale_enabled_ = get_int(sd, "loss_scale_enabled", what) != 0;
+  loss_scale_ = get_double(sd, "loss_scale", what);
+  steps_since_last_scale_ = get_int(sd, "steps_since_last_scale", what);
+  BMT_CHECK(std::isfinite(loss_scale_) && loss_scale_ > 0, "load_state_dict of OptimManager: bad loss_scale ",
+            loss_scale_);
+}
+
+}  // namespace bmt::optim

@@ -1,0 +1,99 @@
+// OptimManager: BMTrain's bmt.optim.OptimManager — dynamic loss scaling, global inf/NaN check, gradient clipping,
+// LR-scheduler stepping and checkpointing over a set of optimizers (bmtrain's own or plain torch::optim ones).
+//
+// Loss scaling (loss_scale > 0 enables it; 0 disables it and the scale stays 1):
+//  * backward(loss) = (loss * loss_scale / grad_scale).backward().
+//  * step(): ONE all_reduce(max) over bmt::config().comm decides whether any gradient of any rank is inf/NaN
+//    (checked always, also with scaling disabled, so a NaN never reaches the parameters). On overflow the step is
+//    skipped on every rank (no optimizer or scheduler step), gradients are zeroed, and the scale is divided by
+//    loss_scale_factor, never below min_loss_scale. After loss_scale_steps consecutive good steps it is multiplied
+//    by the factor, never above max_loss_scale. Scale changes are printed once (rank 0). A factor < 1 is inverted.
+//  * bmtrain optimizers (BmtOptimizer) receive step(loss_scale) and unscale inside their kernel; torch optimizers
+//    get their gradients divided by the scale first.
+//  * grad_scale: 0 (default) = BMTrain's default, bmt::config().zero_size (world / pipe_size; the data-parallel
+//    size when tp_size == 1) after init_distributed, 1 before it. With per-rank mean losses and gradients summed
+//    over ranks this makes the effective gradient the data-parallel mean; pass 1 to keep sums.
+//
+// clip_grad_norm(max_norm, norm_type): the global norm (2-norm or inf-norm; any p >= 1) of all gradients of all
+// added optimizers' parameters across ranks (global_grad_norm: replication-aware, one all_reduce), in unscaled
+// units (the gradients still carry the loss scale and are divided by it for the norm); if norm > max_norm the
+// gradients are multiplied by max_norm / (norm + eps) in place. A non-finite norm leaves gradients untouched
+// (step() will skip). Call it between backward() and step(). Returns the unscaled total norm.
+//
+// state_dict() (a StateDict, see state_dict.h):
+//   loss_scale (float64), loss_scale_enabled, steps_since_last_scale, num_optimizers (int64),
+//   optimizers.<k>.<key>       the BmtOptimizer's own state dict, or for a torch optimizer:
+//   optimizers.<k>.torch_archive (uint8 bytes of torch::serialize), optimizers.<k>.num_params,
+//   optimizers.<k>.param.<i>.shape;
+//   lr_schedulers.<k>.num_iter for optimizers that have a scheduler.
+// load_state_dict checks optimizer counts, scheduler presence and parameter shapes (bmt::core::Error otherwise).
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "bmt/optim/lr_scheduler.h"
+#include "bmt/optim/state_dict.h"
+
+namespace bmt::optim {
+
+struct OptimManagerOptions {
+  double loss_scale = 0;  // initial scale; 0 disables loss scaling
+  double loss_scale_factor = 2;
+  int64_t loss_scale_steps = 1024;
+  double min_loss_scale = 1;
+  double max_loss_scale = std::numeric_limits<double>::infinity();
+  double grad_scale = 0;  // 0: bmt::config().zero_size (BMTrain's default), 1 before init_distributed
+};
+
+class OptimManager {
+ public:
+  explicit OptimManager(const OptimManagerOptions& options = {});
+
+  void add_optimizer(std::shared_ptr<torch::optim::Optimizer> optimizer,
+                     std::shared_ptr<lr_scheduler::WarmupLRScheduler> lr_scheduler = nullptr);
+
+  void zero_grad();
+  at::Tensor scale_loss(const at::Tensor& loss) const;
+  void backward(const at::Tensor& loss);
+  // Returns false when the step was skipped because a gradient was inf/NaN on some rank.
+  bool step();
+  double clip_grad_norm(double max_norm, double norm_type = 2.0, double eps = 1e-6);
+  // The same over an explicit parameter list (BMTrain's clip_grad_norm(param_groups, ...)).
+  double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, double norm_type = 2.0,
+                        double eps = 1e-6);
+
+  StateDict state_dict() const;
+  void load_state_dict(const StateDict& sd);
+
+  double loss_scale() const { return loss_scale_; }
+  bool loss_scale_enabled() const { return loss_scale_enabled_; }
+  int64_t steps_since_last_scale() const { return steps_since_last_scale_; }
+  double loss_scale_factor() const { return options_.loss_scale_factor; }
+  int64_t loss_scale_steps() const { return options_.loss_scale_steps; }
+  double min_loss_scale() const { return options_.min_loss_scale; }
+  double max_loss_scale() const { return options_.max_loss_scale; }
+  double grad_scale() const { return grad_scale_; }
+  int64_t num_skipped_steps() const { return num_skipped_steps_; }
+  const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers() const { return optimizers_; }
+  const std::vector<std::shared_ptr<lr_scheduler::WarmupLRScheduler>>& lr_schedulers() const { return schedulers_; }
+
+ private:
+  std::vector<at::Tensor> all_params() const;
+  void set_scale(double new_scale, const char* why);
+
+  OptimManagerOptions options_;
+  double loss_scale_ = 1;
+  bool loss_scale_enabled_ = false;
+  int64_t steps_since_last_scale_ = 0;
+  int64_t num_skipped_steps_ = 0;
+  double grad_scale_ = 1;
+  std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers_;
+  std::vector<std::shared_ptr<lr_scheduler::WarmupLRScheduler>> schedulers_;
+};
+
+}  // namespace bmt::optim

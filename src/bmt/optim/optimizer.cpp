@@ -1,0 +1,76 @@
+#include "bmt/optim/optimizer.h"
+
+#include <ATen/core/grad_mode.h>
+#include <cmath>
+
+#include "bmt/core/error.h"
+#include "bmt/param_registry.h"
+
+namespace bmt::optim {
+namespace {
+constexpr const char* kArchiveKey = "bmt_state_dict";
+}
+
+BmtOptimizer::BmtOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                           std::unique_ptr<torch::optim::OptimizerOptions> defaults)
+    : torch::optim::Optimizer(param_groups, std::move(defaults)) {}
+
+at::Tensor BmtOptimizer::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  step(1.0);
+  return loss;
+}
+
+void BmtOptimizer::step(double loss_scale) {
+  BMT_CHECK(std::isfinite(loss_scale) && loss_scale > 0, "optimizer step: loss_scale must be finite and > 0, got ",
+            loss_scale);
+  at::NoGradGuard no_grad;
+  do_step(loss_scale);
+}
+
+void BmtOptimizer::zero_grad(bool set_to_none) {
+  before_zero_grad();
+  at::NoGradGuard no_grad;
+  for (auto& group : param_groups_) {
+    for (auto& p : group.params()) {
+      at::Tensor own = p.grad();
+      at::Tensor main = main_grad(p);
+      if (main.defined() && !(own.defined() && main.is_same(own))) main.zero_();
+      if (!own.defined()) continue;
+      if (set_to_none) {
+        p.mutable_grad().reset();
+      } else {
+        if (own.grad_fn()) own = own.detach();
+        own.zero_();
+      }
+    }
+  }
+}
+
+std::vector<at::Tensor> BmtOptimizer::flat_params() const {
+  std::vector<at::Tensor> out;
+  for (const auto& group : param_groups_)
+    for (const auto& p : group.params()) out.push_back(p);
+  return out;
+}
+
+void BmtOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& [k, v] : state_dict()) dict.insert(k, v);
+  archive.write(kArchiveKey, c10::IValue(dict));
+}
+
+void BmtOptimizer::load(torch::serialize::InputArchive& archive) {
+  c10::IValue value;
+  BMT_CHECK(archive.try_read(kArchiveKey, value) && value.isGenericDict(),
+            "optimizer load: the archive holds no bmtrain optimizer state ('", kArchiveKey, "')");
+  StateDict sd;
+  for (const auto& entry : value.toGenericDict()) sd[entry.key().toStringRef()] = entry.value().toTensor();
+  load_state_dict(sd);
+}
+
+}  // namespace bmt::optim

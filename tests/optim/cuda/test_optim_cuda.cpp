@@ -1,0 +1,79 @@
+// Optimizers on CUDA parameters: AdamOptimizer (fused CUDA kernel) and AdamOffloadOptimizer (pinned staging, CPU
+// kernel, copy stream) must give bit-identical parameters to AdamOptimizer on CPU copies; the global inf/NaN
+// check must see CUDA gradients.
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <limits>
+
+#include "bmt/optim/adam.h"
+#include "bmt/optim/adam_offload.h"
+#include "bmt/optim/grad_utils.h"
+#include "bmt/param_registry.h"
+#include "../opt_test_util.h"
+
+using bmt::optim::AdamOffloadOptimizer;
+using bmt::optim::AdamOptimizer;
+using bmt::optim::AdamOptions;
+using namespace bmt::optim::testing;
+
+namespace {
+
+std::vector<at::Tensor> to_cuda(const std::vector<at::Tensor>& ps) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : ps) out.push_back(p.detach().to(at::kCUDA).requires_grad_(true));
+  return out;
+}
+
+}  // namespace
+
+TEST(CudaOptim, AdamAndOffloadOnGpuMatchCpuBitwise) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    auto cpu = make_params(kShapes, dt, 51);
+    auto gpu = to_cuda(cpu);
+    auto off = to_cuda(cpu);
+    AdamOptions opts(1e-3, {0.9, 0.999}, 1e-8, 0.01);
+    AdamOptimizer ref(cpu, opts), on_gpu(gpu, opts);
+    AdamOffloadOptimizer offload(off, opts);
+    for (int step = 0; step < 5; ++step) {
+      for (size_t i = 0; i < cpu.size(); ++i) {
+        at::Tensor g = at::randn(cpu[i].sizes());
+        bool main32 = (step + static_cast<int>(i)) % 2 == 0 && dt != at::kFloat;
+        if (main32) {  // an fp32 main gradient for some half parameters
+          bmt::set_main_grad(cpu[i], g.clone());
+          bmt::set_main_grad(gpu[i], g.to(at::kCUDA));
+          bmt::set_main_grad(off[i], g.to(at::kCUDA));
+        } else {
+          for (auto* v : {&cpu, &gpu, &off}) bmt::clear_main_grad((*v)[i]);
+          cpu[i].mutable_grad() = g.to(dt);
+          gpu[i].mutable_grad() = g.to(dt).to(at::kCUDA);
+          off[i].mutable_grad() = g.to(dt).to(at::kCUDA);
+        }
+      }
+      ref.step(2.0);
+      on_gpu.step(2.0);
+      offload.step_params(std::vector<size_t>{4, 5}, 2.0);  // early start of the largest
+      offload.step(2.0);
+    }
+    torch::cuda::synchronize();
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      EXPECT_TRUE(at::equal(cpu[i], gpu[i].cpu())) << c10::toString(dt) << " AdamOptimizer param " << i;
+      EXPECT_TRUE(at::equal(cpu[i], off[i].cpu())) << c10::toString(dt) << " AdamOffloadOptimizer param " << i;
+      for (auto* v : {&cpu, &gpu, &off}) bmt::forget_param((*v)[i]);
+    }
+  }
+}
+
+TEST(CudaOptim, InfNanCheckSeesCudaGradients) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  auto ps = to_cuda(make_params({{1000}, {0}, {33}}, at::kBFloat16, 52));
+  for (auto& p : ps) p.mutable_grad() = at::zeros_like(p);
+  EXPECT_FALSE(bmt::optim::grads_have_inf_nan(ps, nullptr));
+  ps[2].mutable_grad()[32] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(bmt::optim::grads_have_inf_nan(ps, nullptr));
+  ps[2].mutable_grad().zero_();
+  ps[0].mutable_grad()[999] = -std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(bmt::optim::grads_have_inf_nan(ps, nullptr));
+  EXPECT_NEAR(bmt::optim::global_grad_norm({ps[2]}, 2.0, nullptr), 0.0, 0.0);
+}
