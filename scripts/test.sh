@@ -11,6 +11,9 @@ echo "[test] CPU build done in $(( $(date +%s) - start )) s"
 ( cd build && ctest --output-on-failure -j2 -L 'cpu|multirank' --timeout 900 )
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   start=$(date +%s)
-  bash scripts/build.sh cuda
+  # Library, tools and the `cuda` test binaries only: the CPU tests were built and run above.
+  BMT_CMAKE_ARGS="-DBMT_BUILD_EXAMPLES=OFF" bash scripts/build.sh cuda build.ninja
+  targets=$(ninja -C build-cuda -t targets all | grep -oE '^[A-Za-z0-9_-]*cuda_tests:' | tr -d ':' | sort -u | tr '\n' ' ')
+  bash scripts/build.sh cuda bmt bmtrun bmt-bench-comm $targets
   echo "[test] CUDA build (compile + link only, no GPU here) done in $(( $(date +%s) - start )) s"
 fi

@@ -21,6 +21,11 @@ namespace {
 
 constexpr int64_t kAlignBytes = 512;
 int g_grad_sync_disabled = 0;
+std::map<int, GradReadyHook>& grad_ready_hooks() {
+  static std::map<int, GradReadyHook> hooks;
+  return hooks;
+}
+int g_next_hook_id = 0;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -388,6 +393,8 @@ std::vector<at::Tensor> Block::run_backward(CallState& state, const std::vector<
   for (size_t k = 0; k < slot_index.size(); ++k) param_grads[slot_index[k]] = grads[input_index.size() + k];
   reduce_gradients(param_grads);
   release();
+  if (grad_sync_enabled())
+    for (auto& kv : grad_ready_hooks()) kv.second(*this);
   std::vector<at::Tensor> input_grads(state.inputs.size());
   for (size_t k = 0; k < input_index.size(); ++k) input_grads[input_index[k]] = grads[k];
   return input_grads;
@@ -462,6 +469,12 @@ void Block::scatter_param(const at::Tensor& param, const at::Tensor& full) {
   }
   BMT_ASSERT(false, "parameter not found in its Block");
 }
+
+int add_grad_ready_hook(GradReadyHook hook) {
+  grad_ready_hooks()[g_next_hook_id] = std::move(hook);
+  return g_next_hook_id++;
+}
+void remove_grad_ready_hook(int id) { grad_ready_hooks().erase(id); }
 
 GradSyncGuard::GradSyncGuard() { ++g_grad_sync_disabled; }
 GradSyncGuard::~GradSyncGuard() { --g_grad_sync_disabled; }

@@ -113,6 +113,14 @@ class GradSyncGuard {
 };
 bool grad_sync_enabled();
 
+// Hooks called (in the backward, on the host) right after a Block reduced its gradients into its grad shards.
+// On GPUs the reduction was queued on the comm stream: a hook that reads the gradients orders itself after it
+// (wait_for_gradient_reduction()). Used to start an offloaded optimizer's update of that Block while the rest of
+// the backward runs (AdamOffloadOptimizer::step_params). Returns an id for remove_grad_ready_hook.
+using GradReadyHook = std::function<void(Block&)>;
+int add_grad_ready_hook(GradReadyHook hook);
+void remove_grad_ready_hook(int id);
+
 // Wraps a module with `std::vector<at::Tensor> forward(const std::vector<at::Tensor>&)` or
 // `at::Tensor forward(at::Tensor)` in a Block.
 template <typename M>
