@@ -194,6 +194,8 @@ at::Tensor recv_activations(int peer, core::Communicator& comm, const at::Device
   auto* m = meta_cpu.data_ptr<int64_t>();
   BMT_CHECK(m[0] >= 0 && m[0] <= kMaxDims, "recv_activations from rank ", peer, ": corrupt metadata (ndim ", m[0],
             ")");
+  BMT_CHECK(m[1] >= 0 && m[1] <= static_cast<int64_t>(core::DType::kFloat64), "recv_activations from rank ", peer,
+            ": corrupt metadata (dtype code ", m[1], ")");
   std::vector<int64_t> shape(m + 2, m + 2 + m[0]);
   at::Tensor out = at::empty(shape, at::TensorOptions().dtype(to_scalar_type(static_cast<core::DType>(m[1]))).device(device));
   comm.recv(out.data_ptr(), out.numel(), static_cast<core::DType>(m[1]), peer, stream);

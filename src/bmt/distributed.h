@@ -6,7 +6,8 @@
 //                                                local slice, which drops other ranks' contributions)
 //   reduce_scatter  (x.shape[0]/ws,..) backward: all_gather of the gradient (/ws for avg)
 //   all_reduce      same shape         backward: all_reduce(sum) of the gradient, then per op: avg /ws,
-//                                                max/min masked to the ranks holding the extreme, prod * out/in
+//                                                max/min to the ranks holding the extreme (ties share it evenly),
+//                                                prod: product of the other ranks' factors (zeros handled)
 //   broadcast       same shape         backward: sum of every rank's gradient, delivered to the root only
 //   send/recv_activations              point-to-point with shape/dtype metadata (not differentiable)
 // Every op runs on the tensor's current stream (CUDA) and takes the communicator explicitly.

@@ -87,7 +87,8 @@ GlooCommunicator::~GlooCommunicator() = default;
       throw core::DistError(core::concat("gloo ", opname, " on communicator '", name_, "' (rank ", rank_,     \
                                          " of ", size_, ") failed or timed out after ", timeout_.count(),     \
                                          " ms: ", describe(e),                                               \
-                                         ". A peer rank probably died (see the launcher's report)."));       \
+                                         ". A peer rank probably died or stalled (see the launcher's "       \
+                                         "report)."));                                                       \
     }                                                                                                        \
   } while (false)
 
@@ -119,7 +120,7 @@ void GlooCommunicator::all_reduce(const void* send, void* recv, size_t numel, DT
   BMT_GLOO_WAIT("all_reduce", impl_->pg->allreduce(tensors, opts));
   if (op == ReduceOp::kAvg) {
     if (at::isIntegralType(work_tensor.scalar_type(), false))
-      work_tensor.div_(size_, "floor");
+      work_tensor.div_(size_, "trunc");  // like C++ integer division and NCCL's ncclAvg on integers
     else
       work_tensor.div_(size_);
   }

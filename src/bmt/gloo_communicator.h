@@ -2,7 +2,7 @@
 // The only file that includes ProcessGroupGloo (c10d API drift stays here). Operations are host-synchronous:
 // each call returns when the result is in place, or throws DistError (timeout, dead peer).
 // Gloo has no bf16/fp16 arithmetic on every torch version and no AVG: half-precision reductions run in fp32
-// and are rounded back once; AVG = SUM / size. Reduce-scatter is an all-reduce plus a local slice (CPU only).
+// and are rounded back once; AVG = SUM / size (integers round toward zero, as NCCL). Reduce-scatter is an all-reduce plus a local slice (CPU only).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>

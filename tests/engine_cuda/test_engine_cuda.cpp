@@ -3,6 +3,7 @@
 // tolerance 1e-4 relative: different kernels sum in different orders), gathered buffers are freed, and the
 // host never has to wait for the comm stream inside a step (only events order the streams).
 #include <ATen/Context.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <gtest/gtest.h>
 
 #include "bmt/block.h"
@@ -34,8 +35,12 @@ bmt::InitOptions nccl_init() {
 
 }  // namespace
 
-TEST(EngineCuda, MatchesCpuReferenceWithNccl) {
-  bmt::testing::run_ranks(1, [] {
+class EngineCudaWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(EngineCudaWorld, MatchesCpuReferenceWithNccl) {
+  const int world = GetParam();
+  if (c10::cuda::device_count() < world) GTEST_SKIP() << "needs " << world << " GPUs (NCCL refuses two ranks on one GPU)";
+  bmt::testing::run_ranks(world, [] {
     at::globalContext().setAllowTF32CuBLAS(false);
     ASSERT_TRUE(bmt::config().device.is_cuda());
     tiny::Dims d;
@@ -66,12 +71,15 @@ TEST(EngineCuda, MatchesCpuReferenceWithNccl) {
           std::map<std::string, at::Tensor> init;
           for (auto& kv : tiny::reference_params(d, kSeed)) init[kv.first] = kv.second.detach();
           bmt::load_state_dict(model, init);
+          const int W = bmt::world_size();
+          const int64_t per_rank = kBatch / W;
           for (int s = 0; s < kSteps; ++s) {
-            at::Tensor tok = tokens(s).to(bmt::config().device);
+            at::Tensor tok = tokens(s).narrow(0, bmt::rank() * per_rank, per_rank).to(bmt::config().device);
             at::Tensor logits = model.forward(tok.narrow(1, 0, kSeq));
-            at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, d.vocab}), tok.narrow(1, 1, kSeq).reshape({-1}));
+            at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, d.vocab}), tok.narrow(1, 1, kSeq).reshape({-1})) / W;
             loss.backward();
-            EXPECT_NEAR(loss.item<double>(), ref_losses[s], 1e-4 * ref_losses[s])
+            double total = bmt::distributed::all_reduce(loss.detach(), bmt::core::ReduceOp::kSum, *bmt::config().comm).item<double>();
+            EXPECT_NEAR(total, ref_losses[s], 1e-4 * ref_losses[s])
                 << "step " << s << " zero " << zero << " ckpt " << ckpt << " list " << list;
             bmt::wait_for_gradient_reduction();
             at::NoGradGuard ng;
@@ -89,6 +97,7 @@ TEST(EngineCuda, MatchesCpuReferenceWithNccl) {
         }
   }, nccl_init());
 }
+INSTANTIATE_TEST_SUITE_P(World, EngineCudaWorld, ::testing::Values(1, 2));
 
 TEST(EngineCuda, Bf16ParametersGetFp32Gradients) {
   bmt::testing::run_ranks(1, [] {

@@ -227,11 +227,29 @@ void NcclCommunicator::barrier() {
 }
 
 std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const std::string& name) {
+  if (aborted_) fail("split", "communicator already aborted by an earlier error");
+  BMT_CHECK(color >= 0, "split of NCCL communicator '", name_, "' into '", name, "' (rank ", rank_, " of ", size_,
+            "): color ", color, " must be >= 0");
   ncclComm_t child = nullptr;
   ncclConfig_t config = nonblocking_config();
   ncclResult_t r = ncclCommSplit(comm_, color, key, &child, &config);
   if (r != ncclSuccess && r != ncclInProgress) fail("split", ncclGetErrorString(r));
-  wait_comm_ready(comm_, timeout_ms_, concat("NCCL split of '", name_, "' into '", name, "'"));
+  // Wait for the parent through fail(), not wait_comm_ready(): the parent is owned by this object, and an abort
+  // must mark it aborted (the destructor would otherwise finalize an aborted communicator).
+  auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms_);
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &state);
+    if (state == ncclSuccess) break;
+    if (state != ncclInProgress || Clock::now() > deadline) {
+      if (child) ncclCommAbort(child);
+      fail("split", state != ncclInProgress
+                        ? concat(ncclGetErrorString(state), " while splitting into '", name, "'")
+                        : concat("splitting into '", name, "' timed out after ", timeout_ms_,
+                                 " ms: some rank did not join"));
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
   BMT_ASSERT(child != nullptr, "ncclCommSplit returned no communicator for color ", color);
   wait_comm_ready(child, timeout_ms_, concat("NCCL init of split communicator '", name, "'"));
   int child_rank = 0, child_size = 0;
