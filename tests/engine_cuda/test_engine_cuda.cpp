@@ -105,7 +105,7 @@ TEST(EngineCuda, Bf16ParametersGetFp32Gradients) {
     auto block = bmt::make_block(lin.ptr());
     bmt::init_parameters(*lin);
     at::Tensor x = at::randn({4, 8}, at::TensorOptions().device(bmt::config().device).dtype(at::kBFloat16)).requires_grad_(true);
-    block->forward(x).float().sum().backward();
+    block->forward(x).to(at::kFloat).sum().backward();
     bmt::wait_for_gradient_reduction();
     for (auto& p : lin->parameters()) {
       EXPECT_EQ(bmt::main_grad(p).scalar_type(), at::kFloat);
