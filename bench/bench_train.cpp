@@ -1,0 +1,556 @@
+// bmt-bench-train: training throughput of one GPT configuration, bmtrain against plain LibTorch, one process.
+//
+//   bmt-bench-train --framework bmt|plain --preset gpt2-124m|gpt-1.3b|gpt-6.7b|llama-7b|tiny --seq T --batch B
+//                   --steps N --warmup W [--checkpointing] [--offload] [--zero 2|3] [--json PATH]
+//
+// framework bmt:   examples/models (GPT-2, or Llama for llama-7b) with every layer a ZeRO Block inside a
+//                  TransformerBlockList, bf16 parameters on GPUs (fp32 on CPUs), AdamOptimizer (or, with
+//                  --offload, AdamOffloadOptimizer) driven by an OptimManager without loss scaling (its global
+//                  inf/NaN check included, as in a real training loop; --raw-step calls the optimizer directly).
+//                  With --offload, a grad-ready hook starts each Block's CPU update during the backward
+//                  (AdamOffloadOptimizer::step_params); --no-overlap leaves every update to the step after it.
+// framework plain: bench/plain_gpt.h, the same GPT in plain LibTorch: fp32 parameters + bf16 autocast on CUDA,
+//                  fused AdamW (at::_fused_adamw_); --checkpointing recomputes every block.
+// Both: AdamW lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter; vocabulary 50304; random
+// tokens (a few batches generated on the device before timing, cycled). W warm-up steps, then N timed steps, each
+// followed by a device synchronisation and timed with a steady clock.
+//
+// Reported: tokens/s = N·B·T / (sum of the timed step times); step_s = mean timed step; MFU = tokens/s ·
+// FLOPs/token / 989e12 (H100/H200 dense bf16 peak; null on CPU) with FLOPs/token = 6·N_matmul + 6·L·d·T, where
+// N_matmul counts every parameter except the learned position table and 6·L·d·T is the causal attention term
+// (12·L·d·T halved by the mask), the convention behind peers.md's MFU figures; peak_gpu_gib = the CUDA caching
+// allocator's peak allocated bytes over the whole run (warm-up included) / 2^30.
+// --json PATH appends one JSON line: bench, config, framework, world, tokens_per_s, mfu, peak_gpu_gib, step_s,
+// git_commit (env BMT_GIT_COMMIT, else git), machine (env BMT_BENCH_MACHINE, else the host name), date (UTC),
+// plus details (preset, seq, batch, params, flops_per_token, losses, ...).
+// Exit codes: 0 ok, 1 error (e.g. out of memory), 2 bad arguments, 3 not enough host memory for --offload.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <exception>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef BMT_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include "bmt/block.h"
+#include "bmt/init.h"
+#include "bmt/optim/adam.h"
+#include "bmt/optim/adam_offload.h"
+#include "bmt/optim/optim_manager.h"
+#include "bmt/parameter.h"
+#include "bmt/stream_sync.h"
+#include "models/language_model.h"
+#include "models/presets.h"
+#include "plain_gpt.h"
+
+#ifndef BMT_SOURCE_DIR
+#define BMT_SOURCE_DIR "."
+#endif
+
+namespace {
+
+constexpr double kPeakFlops = 989e12;  // H100/H200 SXM dense bf16
+constexpr int64_t kVocab = 50304;
+constexpr double kLr = 3e-4, kBeta1 = 0.9, kBeta2 = 0.95, kEps = 1e-8, kWeightDecay = 0.1;
+
+struct Args {
+  std::string framework = "bmt";
+  std::string preset = "tiny";
+  std::string arch;  // "" = gpt, llama for llama-7b
+  int64_t seq = 0, batch = 0;
+  int64_t steps = 10, warmup = 3;
+  bool checkpointing = false, offload = false, raw_step = false, force = false, no_overlap = false;
+  int zero = 3;
+  std::string json_path;
+  std::string device = "auto";  // plain only
+  std::string plain_adamw = "fused";
+  std::string autocast = "auto";  // plain only: bf16 autocast on (auto: on CUDA)
+  uint64_t seed = 1234;
+};
+
+const char* kUsage =
+    "usage: bmt-bench-train --framework bmt|plain --preset tiny|gpt2-124m|gpt-1.3b|gpt-6.7b|llama-7b\n"
+    "                       [--seq T] [--batch B] [--steps N (10)] [--warmup W (3)] [--checkpointing] [--offload]\n"
+    "                       [--zero 2|3] [--json PATH] [--arch gpt|llama] [--device auto|cpu|cuda (plain)]\n"
+    "                       [--plain-adamw fused|torch] [--autocast auto|on|off (plain, bf16)] [--raw-step (bmt)]\n"
+    "                       [--no-overlap (offload: update every Block after the backward)]\n"
+    "                       [--force (skip the host memory check)]\n"
+    "                       [--seed S]\n";
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  auto need = [&](int& i) -> std::string {
+    if (i + 1 >= argc) throw std::invalid_argument(std::string(argv[i]) + " needs a value");
+    return argv[++i];
+  };
+  auto to_int = [](const std::string& flag, const std::string& v) -> int64_t {
+    size_t pos = 0;
+    int64_t x = 0;
+    try {
+      x = std::stoll(v, &pos);
+    } catch (const std::exception&) {
+      pos = 0;
+    }
+    if (pos != v.size() || v.empty()) throw std::invalid_argument(flag + ": not an integer: '" + v + "'");
+    return x;
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (f == "--framework") a.framework = need(i);
+    else if (f == "--preset") a.preset = need(i);
+    else if (f == "--arch") a.arch = need(i);
+    else if (f == "--seq") a.seq = to_int(f, need(i));
+    else if (f == "--batch") a.batch = to_int(f, need(i));
+    else if (f == "--steps") a.steps = to_int(f, need(i));
+    else if (f == "--warmup") a.warmup = to_int(f, need(i));
+    else if (f == "--zero") a.zero = static_cast<int>(to_int(f, need(i)));
+    else if (f == "--json") a.json_path = need(i);
+    else if (f == "--device") a.device = need(i);
+    else if (f == "--plain-adamw") a.plain_adamw = need(i);
+    else if (f == "--autocast") a.autocast = need(i);
+    else if (f == "--seed") a.seed = static_cast<uint64_t>(to_int(f, need(i)));
+    else if (f == "--checkpointing") a.checkpointing = true;
+    else if (f == "--offload") a.offload = true;
+    else if (f == "--raw-step") a.raw_step = true;
+    else if (f == "--no-overlap") a.no_overlap = true;
+    else if (f == "--force") a.force = true;
+    else if (f == "--help" || f == "-h") {
+      std::printf("%s", kUsage);
+      std::exit(0);
+    } else {
+      throw std::invalid_argument("unknown argument '" + f + "'");
+    }
+  }
+  if (a.framework == "bmtrain") a.framework = "bmt";
+  if (a.framework != "bmt" && a.framework != "plain")
+    throw std::invalid_argument("--framework must be bmt or plain, got '" + a.framework + "'");
+  if (a.zero != 2 && a.zero != 3) throw std::invalid_argument("--zero must be 2 or 3");
+  if (a.steps < 1 || a.warmup < 0) throw std::invalid_argument("--steps must be >= 1 and --warmup >= 0");
+  if (a.seq < 0 || a.batch < 0) throw std::invalid_argument("--seq and --batch must be positive");
+  if (a.device != "auto" && a.device != "cpu" && a.device != "cuda")
+    throw std::invalid_argument("--device must be auto, cpu or cuda");
+  if (a.autocast != "auto" && a.autocast != "on" && a.autocast != "off")
+    throw std::invalid_argument("--autocast must be auto, on or off");
+  if (a.plain_adamw != "fused" && a.plain_adamw != "torch")
+    throw std::invalid_argument("--plain-adamw must be fused or torch");
+  return a;
+}
+
+// The model shape: the example presets, plus gpt-6.7b (peers.md's 6.7B GPT row), with vocabulary 50304.
+struct Shape {
+  examples::ModelConfig model;
+  int64_t default_batch = 8;
+};
+
+Shape resolve_shape(const Args& a) {
+  Shape s;
+  if (a.preset == "gpt-6.7b") {
+    s.model.num_layers = 32;
+    s.model.dim = 4096;
+    s.model.num_heads = 32;
+    s.model.ffn_dim = 16384;
+    s.model.max_seq_len = 2048;
+    s.default_batch = 2;
+  } else {
+    const examples::Preset& p = examples::find_preset(a.preset);  // throws listing the known names
+    s.model = p.model;
+    s.default_batch = p.train.batch_per_rank;
+  }
+  s.model.arch = !a.arch.empty() ? a.arch : (a.preset.rfind("llama", 0) == 0 ? "llama" : "gpt");
+  s.model.vocab_size = kVocab;
+  if (a.seq > 0) s.model.max_seq_len = a.seq;
+  s.model.validate();
+  return s;
+}
+
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+std::string shell_line(const std::string& cmd) {
+  std::string out;
+  if (FILE* f = popen(cmd.c_str(), "r")) {
+    char buf[256];
+    if (fgets(buf, sizeof(buf), f)) out = buf;
+    pclose(f);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r' || out.back() == ' ')) out.pop_back();
+  return out;
+}
+
+std::string git_commit() {
+  if (const char* c = std::getenv("BMT_GIT_COMMIT"); c && *c) return c;
+  std::string c = shell_line(std::string("git -C '") + BMT_SOURCE_DIR + "' rev-parse --short HEAD 2>/dev/null");
+  return c.empty() ? "unknown" : c;
+}
+
+std::string machine_name() {
+  if (const char* m = std::getenv("BMT_BENCH_MACHINE"); m && *m) return m;
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+std::string utc_now() {
+  char buf[32];
+  std::time_t t = std::time(nullptr);
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::string json_str(const std::string& s) {
+  std::string o = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\', o += c;
+    else if (static_cast<unsigned char>(c) < 0x20) o += ' ';
+    else o += c;
+  }
+  return o + "\"";
+}
+
+std::string json_num(double v, int precision = 6) {
+  if (!std::isfinite(v)) return "null";
+  std::ostringstream os;
+  os.precision(precision);
+  os << v;
+  return os.str();
+}
+
+// Peak allocated / reserved bytes of the CUDA caching allocator on `device` (-1 when not on CUDA).
+struct GpuMem {
+  int64_t peak_allocated = -1, peak_reserved = -1;
+};
+GpuMem gpu_memory(const c10::Device& device) {
+  GpuMem m;
+#ifdef BMT_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto st = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    const auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    m.peak_allocated = st.allocated_bytes[agg].peak;
+    m.peak_reserved = st.reserved_bytes[agg].peak;
+  }
+#else
+  (void)device;
+#endif
+  return m;
+}
+
+int64_t proc_kib(const char* file, const char* key) {
+  std::ifstream in(file);
+  std::string k;
+  int64_t v = -1;
+  while (in >> k) {
+    if (k == key) {
+      in >> v;
+      return v;
+    }
+    in.ignore(1 << 16, '\n');
+  }
+  return -1;
+}
+
+double gib(double bytes) { return bytes / double(1ll << 30); }
+
+int64_t round_pow2(int64_t n) {
+  int64_t r = 1;
+  while (r < n) r <<= 1;
+  return r;
+}
+
+// One benchmark: how to run a step, and what to report about the model.
+struct Runner {
+  std::function<at::Tensor(const at::Tensor& tokens)> step;  // one optimizer step; returns the detached loss
+  c10::Device device{c10::kCPU};
+  int64_t num_params = 0, num_matmul_params = 0;
+  std::string precision, optimizer;
+  int world = 1, rank = 0;  // bmt under a launcher: every rank runs B sequences per step
+  std::shared_ptr<int64_t> early_started = std::make_shared<int64_t>(0);  // Blocks updated during the backward
+  std::function<void()> finish = [] {};
+};
+
+struct Failure : std::runtime_error {
+  int code;
+  Failure(const std::string& what, int c) : std::runtime_error(what), code(c) {}
+};
+
+Runner make_bmt_runner(const Args& a, const Shape& shape) {
+  bmt::InitOptions init;
+  init.seed = a.seed;
+  init.zero_level = a.zero;
+  init.quiet = true;
+  bmt::init_distributed(init);
+  const auto& cfg = bmt::config();
+  const at::ScalarType dtype = examples::default_param_dtype();
+  std::shared_ptr<examples::LanguageModel> model =
+      examples::make_model(shape.model, {a.zero, a.checkpointing}, dtype);
+  at::manual_seed(a.seed);
+  bmt::init_parameters(*model);
+
+  Runner r;
+  r.device = cfg.device;
+  r.world = cfg.world_size;
+  r.rank = cfg.rank;
+  for (const auto& item : model->named_parameters()) {
+    const int64_t n = bmt::meta_of(item.value()).full_numel;
+    r.num_params += n;
+    if (item.key() != "wpe.weight") r.num_matmul_params += n;
+  }
+  r.precision = std::string(dtype == at::kBFloat16 ? "bf16" : "fp32") + " params, fp32 grads/master";
+
+  std::vector<at::Tensor> params;
+  for (const auto& p : model->parameters()) params.push_back(p);
+  if (a.offload && r.device.is_cuda()) {
+    // Host bytes the offloaded state needs: fp32 master (half params) + two fp32 moments + pinned staging for the
+    // gradient and the parameter (the pinned host allocator rounds up to powers of two).
+    int64_t need = 0;
+    for (const auto& p : params) {
+      const int64_t n = p.numel();
+      need += n * (p.scalar_type() == at::kFloat ? 8 : 12);
+      need += round_pow2(n * 4) + round_pow2(n * static_cast<int64_t>(p.element_size()));
+    }
+    const int64_t avail = proc_kib("/proc/meminfo", "MemAvailable:") * 1024;
+    std::printf("offload: ~%.1f GiB of host memory needed, %.1f GiB available\n", gib(need), gib(avail));
+    if (avail > 0 && need > avail - (6ll << 30) && !a.force)
+      throw Failure("--offload needs ~" + json_num(gib(need), 3) + " GiB of host memory, only " +
+                        json_num(gib(avail), 3) + " GiB available (--force to try anyway)",
+                    3);
+  }
+  bmt::optim::AdamOptions opts(kLr, {kBeta1, kBeta2}, kEps, kWeightDecay);
+  std::shared_ptr<bmt::optim::BmtOptimizer> optimizer;
+  int hook = -1;
+  if (a.offload) {
+    auto offload = std::make_shared<bmt::optim::AdamOffloadOptimizer>(params, opts);
+    optimizer = offload;
+    r.optimizer = "AdamOffloadOptimizer";
+    if (!a.no_overlap) {
+      // Start each Block's CPU update as soon as its gradients are reduced, while the rest of the backward runs.
+      auto counter = r.early_started;
+      hook = bmt::add_grad_ready_hook([offload, counter](bmt::Block& b) {
+        bmt::wait_for_gradient_reduction();
+        offload->step_params(b.module()->parameters());
+        ++*counter;
+      });
+      r.optimizer += " (per-Block early start)";
+    }
+  } else {
+    optimizer = std::make_shared<bmt::optim::AdamOptimizer>(params, opts);
+    r.optimizer = "AdamOptimizer";
+  }
+  auto manager = std::make_shared<bmt::optim::OptimManager>();  // loss scaling off (bf16 / fp32)
+  manager->add_optimizer(optimizer);
+  if (a.raw_step) r.optimizer += " (raw step)";
+  else r.optimizer += " + OptimManager";
+
+  const bool raw = a.raw_step;
+  r.step = [model, optimizer, manager, raw](const at::Tensor& tokens) {
+    const int64_t T = tokens.size(1) - 1;
+    at::Tensor loss = examples::lm_loss(model->forward(tokens.narrow(1, 0, T)), tokens.narrow(1, 1, T));
+    if (raw) {
+      loss.backward();
+      bmt::wait_for_gradient_reduction();
+      optimizer->step(1.0);
+      optimizer->zero_grad();
+    } else {
+      manager->backward(loss);
+      manager->step();
+      manager->zero_grad();
+    }
+    return loss.detach();
+  };
+  r.finish = [hook] {
+    if (hook >= 0) bmt::remove_grad_ready_hook(hook);
+    bmt::finalize();
+  };
+  return r;
+}
+
+Runner make_plain_runner(const Args& a, const Shape& shape) {
+  if (shape.model.arch != "gpt") throw std::invalid_argument("--framework plain implements the gpt architecture only");
+  if (a.offload) throw std::invalid_argument("--framework plain has no optimizer offload");
+  bool cuda = torch::cuda::is_available();
+  if (a.device == "cpu") cuda = false;
+  if (a.device == "cuda" && !cuda) throw std::invalid_argument("--device cuda: no CUDA device available");
+  Runner r;
+  r.device = cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+  at::manual_seed(a.seed);
+
+  plain::GptConfig c;
+  c.vocab_size = shape.model.vocab_size;
+  c.max_seq_len = shape.model.max_seq_len;
+  c.num_layers = shape.model.num_layers;
+  c.dim = shape.model.dim;
+  c.num_heads = shape.model.num_heads;
+  c.ffn_dim = shape.model.ffn_dim;
+  c.norm_eps = shape.model.norm_eps;
+  plain::Gpt model(c);
+  model->to(r.device);
+  model->checkpointing = a.checkpointing;
+  r.num_params = model->num_params();
+  r.num_matmul_params = model->num_matmul_params();
+  const bool autocast = a.autocast == "on" || (a.autocast == "auto" && cuda);
+  r.precision = autocast ? "fp32 params + bf16 autocast" : "fp32";
+
+  auto optimizer = std::make_shared<plain::FusedAdamW>(model->parameters(), kLr, kBeta1, kBeta2, kEps, kWeightDecay,
+                                                       a.plain_adamw == "fused");
+  r.optimizer = a.plain_adamw == "fused" ? "at::_fused_adamw_" : "torch::optim::AdamW";
+  const at::DeviceType dt = r.device.type();
+  r.step = [m = model.ptr(), optimizer, autocast, dt](const at::Tensor& tokens) {
+    at::Tensor loss;
+    {
+      plain::AutocastScope scope(autocast, dt);
+      loss = m->loss(tokens);
+    }
+    loss.backward();
+    optimizer->step();
+    optimizer->zero_grad();
+    return loss.detach();
+  };
+  return r;
+}
+
+int run(const Args& a) {
+  const Shape shape = resolve_shape(a);
+  const int64_t T = shape.model.max_seq_len;
+  const int64_t B = a.batch > 0 ? a.batch : shape.default_batch;
+  const double t_start = now_s();
+
+  Runner r = a.framework == "bmt" ? make_bmt_runner(a, shape) : make_plain_runner(a, shape);
+  const bool cuda = r.device.is_cuda();
+  const double flops_per_token = 6.0 * static_cast<double>(r.num_matmul_params) +
+                                 6.0 * static_cast<double>(shape.model.num_layers * shape.model.dim * T);
+  std::string config = a.preset + " seq" + std::to_string(T) + " batch" + std::to_string(B);
+  if (a.framework == "bmt" && a.zero != 3) config += " zero" + std::to_string(a.zero);
+  if (a.checkpointing) config += " ckpt";
+  if (a.offload) config += " offload";
+  std::printf("bench_train: %s | %s | %s on %s | %.1fM params (%.1fM matmul), %.3g GFLOP/token | %s | %s\n",
+              a.framework.c_str(), config.c_str(), shape.model.describe().c_str(), r.device.str().c_str(),
+              static_cast<double>(r.num_params) / 1e6, static_cast<double>(r.num_matmul_params) / 1e6,
+              flops_per_token / 1e9, r.precision.c_str(), r.optimizer.c_str());
+  std::fflush(stdout);
+
+  // Random tokens, generated on the device before timing and cycled.
+  at::manual_seed(a.seed + 1);
+  std::vector<at::Tensor> batches;
+  const int64_t distinct = std::min<int64_t>(4, a.warmup + a.steps);
+  for (int64_t i = 0; i < distinct; ++i)
+    batches.push_back(at::randint(shape.model.vocab_size, {B, T + 1}, at::TensorOptions().dtype(at::kLong).device(r.device)));
+  auto sync = [&] {
+    if (cuda) torch::cuda::synchronize();
+  };
+  sync();
+  const double t_setup = now_s() - t_start;
+
+  std::vector<at::Tensor> losses;
+  const double t_warm0 = now_s();
+  for (int64_t i = 0; i < a.warmup; ++i) {
+    losses.push_back(r.step(batches[static_cast<size_t>(i % distinct)]));
+    sync();
+  }
+  const double t_warmup = now_s() - t_warm0;
+  std::vector<double> times;
+  for (int64_t i = 0; i < a.steps; ++i) {
+    const double t0 = now_s();
+    losses.push_back(r.step(batches[static_cast<size_t>((a.warmup + i) % distinct)]));
+    sync();
+    times.push_back(now_s() - t0);
+  }
+  double total = 0;
+  for (double t : times) total += t;
+  std::vector<double> sorted = times;
+  std::sort(sorted.begin(), sorted.end());
+  const double step_s = total / static_cast<double>(times.size());
+  const double median_s = sorted[sorted.size() / 2];
+  const double tokens_per_s = static_cast<double>(B * T * r.world) * static_cast<double>(a.steps) / total;
+  const double mfu = cuda ? tokens_per_s * flops_per_token / (kPeakFlops * r.world) : NAN;
+  const GpuMem mem = gpu_memory(r.device);
+  const double peak_gib = mem.peak_allocated >= 0 ? gib(static_cast<double>(mem.peak_allocated)) : NAN;
+  const double host_peak_gib = gib(static_cast<double>(proc_kib("/proc/self/status", "VmHWM:")) * 1024.0);
+  const double loss_first = losses.front().item<double>(), loss_last = losses.back().item<double>();
+  if (!std::isfinite(loss_last)) throw std::runtime_error("loss is not finite: " + json_num(loss_last));
+
+  std::printf("bench_train: setup %.1f s, warm-up %ld steps %.1f s; loss %.4f -> %.4f", t_setup,
+              static_cast<long>(a.warmup), t_warmup, loss_first, loss_last);
+  const double early_per_step = static_cast<double>(*r.early_started) / static_cast<double>(a.warmup + a.steps);
+  if (a.offload) std::printf("; %.1f Blocks per step updated during the backward", early_per_step);
+  std::printf("\n");
+  std::printf("RESULT framework=%s config=\"%s\" tokens_per_s=%.0f step_s=%.4f (median %.4f, min %.4f, max %.4f) "
+              "mfu=%s peak_gpu_gib=%s (reserved %s) host_peak_gib=%.2f\n",
+              a.framework.c_str(), config.c_str(), tokens_per_s, step_s, median_s, sorted.front(), sorted.back(),
+              cuda ? (json_num(100.0 * mfu, 4) + "%").c_str() : "n/a",
+              mem.peak_allocated >= 0 ? json_num(peak_gib, 4).c_str() : "n/a",
+              mem.peak_reserved >= 0 ? json_num(gib(static_cast<double>(mem.peak_reserved)), 4).c_str() : "n/a",
+              host_peak_gib);
+  std::fflush(stdout);
+
+  if (!a.json_path.empty() && r.rank == 0) {
+    std::ostringstream j;
+    j << "{\"bench\":\"train\",\"config\":" << json_str(config) << ",\"framework\":"
+      << json_str(a.framework == "bmt" ? "bmtrain" : "plain") << ",\"world\":" << r.world
+      << ",\"tokens_per_s\":" << json_num(tokens_per_s, 8) << ",\"mfu\":" << json_num(mfu, 5)
+      << ",\"peak_gpu_gib\":" << json_num(peak_gib, 5) << ",\"step_s\":" << json_num(step_s, 6)
+      << ",\"git_commit\":" << json_str(git_commit()) << ",\"machine\":" << json_str(machine_name())
+      << ",\"date\":" << json_str(utc_now()) << ",\"preset\":" << json_str(a.preset)
+      << ",\"arch\":" << json_str(shape.model.arch) << ",\"seq\":" << T << ",\"batch\":" << B
+      << ",\"steps\":" << a.steps << ",\"warmup\":" << a.warmup
+      << ",\"checkpointing\":" << (a.checkpointing ? "true" : "false")
+      << ",\"offload\":" << (a.offload ? "true" : "false") << ",\"zero\":" << (a.framework == "bmt" ? std::to_string(a.zero) : "null")
+      << ",\"device\":" << json_str(r.device.str()) << ",\"params\":" << r.num_params
+      << ",\"matmul_params\":" << r.num_matmul_params << ",\"flops_per_token\":" << json_num(flops_per_token, 8)
+      << ",\"step_s_median\":" << json_num(median_s) << ",\"peak_reserved_gib\":"
+      << json_num(mem.peak_reserved >= 0 ? gib(static_cast<double>(mem.peak_reserved)) : NAN, 5)
+      << ",\"host_peak_gib\":" << json_num(host_peak_gib, 4) << ",\"loss_first\":" << json_num(loss_first)
+      << ",\"loss_last\":" << json_num(loss_last) << ",\"precision\":" << json_str(r.precision)
+      << ",\"optimizer\":" << json_str(r.optimizer) << ",\"offload_early_blocks_per_step\":" << json_num(early_per_step)
+      << "}";
+    std::ofstream out(a.json_path, std::ios::app);
+    if (!out) throw std::runtime_error("cannot open --json file " + a.json_path);
+    out << j.str() << "\n";
+    std::printf("bench_train: appended to %s\n", a.json_path.c_str());
+  }
+  std::fflush(stdout);
+  r.finish();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  try {
+    args = parse_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bmt-bench-train: %s\n%s", e.what(), kUsage);
+    return 2;
+  }
+  try {
+    return run(args);
+  } catch (const Failure& e) {
+    std::fprintf(stderr, "bmt-bench-train: %s\n", e.what());
+    return e.code;
+  } catch (const c10::OutOfMemoryError& e) {
+    std::fprintf(stderr, "bmt-bench-train: error: CUDA out of memory: %s\n",
+                 std::string(e.what_without_backtrace()).substr(0, 400).c_str());
+    return 1;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "bmt-bench-train: error: %s\n", std::string(e.what_without_backtrace()).substr(0, 2000).c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bmt-bench-train: error: %s\n", e.what());
+    return 1;
+  }
+}
