@@ -7,6 +7,7 @@
 #include "bmt/core/kernels/has_inf_nan.h"
 #include "bmt/init.h"
 #include "bmt/param_registry.h"
+#include "bmt/stream_sync.h"
 #include "bmt/tensor_adapter.h"
 
 #ifdef BMT_WITH_CUDA
@@ -35,6 +36,7 @@ void all_reduce_in_place(at::Tensor& t, core::ReduceOp op, core::Communicator* c
 }  // namespace
 
 bool grads_have_inf_nan(const std::vector<at::Tensor>& params, core::Communicator* comm) {
+  if (is_initialized()) wait_for_gradient_reduction();
   at::NoGradGuard no_grad;
   bool host_found = false;
   at::Tensor device_flag;  // int32 on the CUDA device of the gradients, written by has_inf_nan_cuda
@@ -66,6 +68,7 @@ bool grads_have_inf_nan(const std::vector<at::Tensor>& params, core::Communicato
 }
 
 double global_grad_norm(const std::vector<at::Tensor>& params, double norm_type, core::Communicator* comm) {
+  if (is_initialized()) wait_for_gradient_reduction();
   const bool inf_norm = std::isinf(norm_type) && norm_type > 0;
   BMT_CHECK(inf_norm || (std::isfinite(norm_type) && norm_type >= 1), "grad norm: norm_type must be >= 1 or inf, got ",
             norm_type);

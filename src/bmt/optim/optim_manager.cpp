@@ -13,6 +13,7 @@
 #include "bmt/optim/grad_utils.h"
 #include "bmt/optim/optimizer.h"
 #include "bmt/param_registry.h"
+#include "bmt/stream_sync.h"
 
 namespace bmt::optim {
 namespace {
@@ -78,6 +79,7 @@ std::vector<at::Tensor> OptimManager::all_params() const {
 }
 
 void OptimManager::zero_grad() {
+  if (is_initialized()) wait_for_gradient_reduction();
   for (const auto& opt : optimizers_) {
     if (auto* bmt_opt = dynamic_cast<BmtOptimizer*>(opt.get())) {
       bmt_opt->zero_grad(/*set_to_none=*/false);
@@ -89,7 +91,10 @@ void OptimManager::zero_grad() {
 
 at::Tensor OptimManager::scale_loss(const at::Tensor& loss) const { return loss * (loss_scale_ / grad_scale_); }
 
-void OptimManager::backward(const at::Tensor& loss) { scale_loss(loss).backward(); }
+void OptimManager::backward(const at::Tensor& loss) {
+  scale_loss(loss).backward();
+  wait_for_gradient_reduction();  // the last Blocks' reductions are still on the comm stream
+}
 
 void OptimManager::set_scale(double new_scale, const char* why) {
   if (new_scale == loss_scale_) return;
@@ -98,6 +103,7 @@ void OptimManager::set_scale(double new_scale, const char* why) {
 }
 
 bool OptimManager::step() {
+  if (is_initialized()) wait_for_gradient_reduction();
   std::vector<at::Tensor> params = all_params();
   if (grads_have_inf_nan(params, world_comm())) {
     ++num_skipped_steps_;

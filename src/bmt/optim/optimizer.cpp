@@ -4,7 +4,17 @@
 #include <cmath>
 
 #include "bmt/core/error.h"
+#include "bmt/init.h"
 #include "bmt/param_registry.h"
+#include "bmt/stream_sync.h"
+
+namespace {
+// Gradients of Blocks are reduced on the comm stream: order the compute stream after it before reading or
+// zeroing them (no host sync; a no-op on CPU).
+void order_after_gradient_reduction() {
+  if (bmt::is_initialized()) bmt::wait_for_gradient_reduction();
+}
+}  // namespace
 
 namespace bmt::optim {
 namespace {
@@ -28,11 +38,13 @@ at::Tensor BmtOptimizer::step(LossClosure closure) {
 void BmtOptimizer::step(double loss_scale) {
   BMT_CHECK(std::isfinite(loss_scale) && loss_scale > 0, "optimizer step: loss_scale must be finite and > 0, got ",
             loss_scale);
+  order_after_gradient_reduction();
   at::NoGradGuard no_grad;
   do_step(loss_scale);
 }
 
 void BmtOptimizer::zero_grad(bool set_to_none) {
+  order_after_gradient_reduction();
   before_zero_grad();
   at::NoGradGuard no_grad;
   for (auto& group : param_groups_) {
