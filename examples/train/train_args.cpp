@@ -1,0 +1,105 @@
+#include "train/train_args.h"
+
+#include <functional>
+#include <map>
+
+#include "bmt/core/error.h"
+
+namespace examples {
+
+std::string train_usage() {
+  return R"(usage: bmtrun --nproc N train_gpt [options]
+  --preset P          tiny | gpt2-124m | gpt-1.3b | llama-7b (default tiny)
+  --model M           gpt | llama (default gpt); --kv-heads K for grouped-query llama
+  --data PATH         text file (byte-level) or uint16 .bin tokens (llm.c or nanoGPT layout);
+                      default: embedded synthetic 2-digit addition with task accuracy
+  --data-format F     auto | synthetic | text | bin | llm.c | nanoGPT
+  --steps S --batch B --seq T --lr LR --warmup W   (B: sequences per rank per step; default from the
+                      preset: tiny 64 over all ranks, gpt2-124m 16, gpt-1.3b 8, llama-7b 2 per rank)
+  --stop-at S         end this run after step S (schedule still spans --steps; resume later with --resume)
+  --weight-decay WD --grad-clip C                  (default 0.1, 1.0)
+  --zero 2|3          ZeRO level of every transformer block (default 3)
+  --dtype D           parameter dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+  --checkpointing     recompute each block's forward in backward
+  --eval-every K      held-out loss (and task accuracy) every K steps; --eval-batches N
+  --save-every K --save-dir D    checkpoints (D/step_<n>, D/latest); --resume continues from D/latest
+  --metrics PATH.jsonl           one JSON object per step (rank 0)
+  --progress auto|bar|lines|off  --log-every N
+  --samples N --sample-tokens N --top-k K   generated samples at the end (top-k 0: greedy)
+  --export-hf DIR     write model.safetensors + config.json (Hugging Face GPT-2 layout) at the end
+  --seed S
+)";
+}
+
+TrainArgs parse_train_args(int argc, const char* const* argv) {
+  TrainArgs a;
+  auto to_i64 = [](const std::string& name, const std::string& v) {
+    try {
+      size_t used = 0;
+      int64_t x = std::stoll(v, &used);
+      if (used == v.size()) return x;
+    } catch (const std::exception&) {
+    }
+    BMT_ERROR("option ", name, ": expected an integer, got '", v, "'");
+  };
+  auto to_f64 = [](const std::string& name, const std::string& v) {
+    try {
+      size_t used = 0;
+      double x = std::stod(v, &used);
+      if (used == v.size()) return x;
+    } catch (const std::exception&) {
+    }
+    BMT_ERROR("option ", name, ": expected a number, got '", v, "'");
+  };
+  using Setter = std::function<void(const std::string&, const std::string&)>;
+  auto str = [](std::string& dst) -> Setter { return [&dst](const std::string&, const std::string& v) { dst = v; }; };
+  auto i64 = [&](int64_t& dst) -> Setter { return [&dst, to_i64](const std::string& n, const std::string& v) { dst = to_i64(n, v); }; };
+  auto f64 = [&](double& dst) -> Setter { return [&dst, to_f64](const std::string& n, const std::string& v) { dst = to_f64(n, v); }; };
+  const std::map<std::string, Setter> valued = {
+      {"--preset", str(a.preset)}, {"--model", str(a.model)}, {"--kv-heads", i64(a.kv_heads)},
+      {"--data", str(a.data)}, {"--data-format", str(a.data_format)}, {"--steps", i64(a.steps)},
+      {"--batch", i64(a.batch)}, {"--seq", i64(a.seq)}, {"--warmup", i64(a.warmup)}, {"--stop-at", i64(a.stop_at)}, {"--lr", f64(a.lr)},
+      {"--weight-decay", f64(a.weight_decay)}, {"--grad-clip", f64(a.grad_clip)},
+      {"--zero", [&](const std::string& n, const std::string& v) { a.zero = static_cast<int>(to_i64(n, v)); }},
+      {"--eval-every", i64(a.eval_every)}, {"--eval-batches", i64(a.eval_batches)},
+      {"--task-rows", i64(a.task_rows)}, {"--save-every", i64(a.save_every)}, {"--save-dir", str(a.save_dir)},
+      {"--metrics", str(a.metrics_path)}, {"--progress", str(a.progress)}, {"--log-every", i64(a.log_every)},
+      {"--samples", i64(a.samples)}, {"--sample-tokens", i64(a.sample_tokens)}, {"--top-k", i64(a.top_k)},
+      {"--export-hf", str(a.export_hf)}, {"--dtype", str(a.dtype)},
+      {"--seed", [&](const std::string& n, const std::string& v) { a.seed = static_cast<uint64_t>(to_i64(n, v)); }},
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i], value;
+    bool inline_value = false;
+    if (size_t eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      inline_value = true;
+    }
+    if (arg == "-h" || arg == "--help") {
+      a.help = true;
+    } else if (arg == "--checkpointing") {
+      a.checkpointing = true;
+    } else if (arg == "--resume") {
+      a.resume = true;
+    } else if (auto it = valued.find(arg); it != valued.end()) {
+      if (!inline_value) {
+        BMT_CHECK(i + 1 < argc, "option ", arg, " needs a value");
+        value = argv[++i];
+      }
+      it->second(arg, value);
+    } else {
+      BMT_ERROR("unknown option '", arg, "' (see --help)");
+    }
+  }
+  BMT_CHECK(a.zero == 2 || a.zero == 3, "--zero must be 2 or 3, got ", a.zero);
+  BMT_CHECK(a.dtype == "auto" || a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be auto, fp32 or bf16, got '",
+            a.dtype, "'");
+  BMT_CHECK(a.model == "gpt" || a.model == "llama", "--model must be gpt or llama, got '", a.model, "'");
+  BMT_CHECK(a.progress == "auto" || a.progress == "bar" || a.progress == "lines" || a.progress == "off",
+            "--progress must be auto, bar, lines or off, got '", a.progress, "'");
+  BMT_CHECK(a.save_every >= 0 && a.eval_batches > 0 && a.top_k >= 0, "--save-every, --eval-batches, --top-k: bad value");
+  return a;
+}
+
+}  // namespace examples

@@ -1,0 +1,40 @@
+// TrainArgs: every option of train_gpt, their defaults, and the command-line parser.
+// Values left at -1 / empty are filled from the preset (models/presets.h) by resolve().
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace examples {
+
+struct TrainArgs {
+  std::string preset = "tiny";
+  std::string model = "gpt";        // gpt | llama
+  int64_t kv_heads = 0;             // llama grouped-query attention (0: = heads)
+  std::string data;                 // empty: embedded synthetic arithmetic
+  std::string data_format = "auto";  // auto | synthetic | text | bin | llm.c | nanoGPT
+  int64_t steps = -1, batch = -1, seq = -1, warmup = -1;  // batch: sequences per rank per step
+  int64_t stop_at = -1;             // end this run after this step (the schedule still spans --steps)
+  double lr = -1;                   // peak learning rate
+  double weight_decay = 0.1, grad_clip = 1.0;
+  std::string dtype = "auto";        // parameter dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+  int zero = 3;
+  bool checkpointing = false;
+  int64_t eval_every = -1, eval_batches = 4, task_rows = 256;
+  int64_t save_every = 0;
+  std::string save_dir = "checkpoints";
+  bool resume = false;
+  std::string metrics_path;
+  std::string progress = "auto";    // auto (bar on a TTY, else lines) | bar | lines | off
+  int64_t log_every = -1;           // lines mode: print every N steps (-1: ~30 lines per run)
+  int64_t samples = 3, sample_tokens = 64, top_k = 0;  // top_k 0: greedy
+  std::string export_hf;            // directory for a Hugging Face GPT-2 export at the end
+  uint64_t seed = 1234;
+  bool help = false;
+};
+
+// Throws bmt::core::Error naming the bad option (unknown, missing value, not a number).
+TrainArgs parse_train_args(int argc, const char* const* argv);
+std::string train_usage();
+
+}  // namespace examples

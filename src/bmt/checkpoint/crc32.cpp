@@ -1,0 +1,55 @@
+#include "bmt/checkpoint/crc32.h"
+
+#include <array>
+#include <cstring>
+
+namespace bmt::checkpoint {
+namespace {
+
+using Tables = std::array<std::array<uint32_t, 256>, 8>;
+
+Tables make_tables() {
+  Tables t{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1u) ? (0xEDB88320u ^ (c >> 1)) : (c >> 1);
+    t[0][i] = c;
+  }
+  for (uint32_t i = 0; i < 256; ++i)
+    for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFFu];
+  return t;
+}
+
+const Tables& tables() {
+  static const Tables t = make_tables();
+  return t;
+}
+
+}  // namespace
+
+uint32_t crc32_update(uint32_t crc, const void* data, size_t nbytes) {
+  const Tables& t = tables();
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint32_t c = ~crc;
+  while (nbytes >= 8) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + 4, 4);
+    lo ^= c;  // little-endian hosts only (x86-64, aarch64)
+    c = t[7][lo & 0xFFu] ^ t[6][(lo >> 8) & 0xFFu] ^ t[5][(lo >> 16) & 0xFFu] ^ t[4][lo >> 24] ^
+        t[3][hi & 0xFFu] ^ t[2][(hi >> 8) & 0xFFu] ^ t[1][(hi >> 16) & 0xFFu] ^ t[0][hi >> 24];
+    p += 8;
+    nbytes -= 8;
+  }
+  while (nbytes-- > 0) c = t[0][(c ^ *p++) & 0xFFu] ^ (c >> 8);
+  return ~c;
+}
+
+std::string crc32_hex(uint32_t crc) {
+  static const char* digits = "0123456789abcdef";
+  std::string s(8, '0');
+  for (int i = 7; i >= 0; --i, crc >>= 4) s[i] = digits[crc & 0xFu];
+  return s;
+}
+
+}  // namespace bmt::checkpoint

@@ -1,0 +1,19 @@
+// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320, init and final xor 0xFFFFFFFF: the zlib / PNG / zip
+// value), slicing-by-8, torch-free. crc32(data) == crc32_update(crc32_update(0, a), b) for data = a + b, so
+// checksums can be computed while streaming.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace bmt::checkpoint {
+
+// Continues `crc` (0 for a fresh checksum) over nbytes bytes.
+uint32_t crc32_update(uint32_t crc, const void* data, size_t nbytes);
+inline uint32_t crc32(const void* data, size_t nbytes) { return crc32_update(0, data, nbytes); }
+
+// 8 lowercase hex digits.
+std::string crc32_hex(uint32_t crc);
+
+}  // namespace bmt::checkpoint

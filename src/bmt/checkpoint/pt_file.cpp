@@ -1,0 +1,264 @@
+// .pt (torch.save zip) implementation of TensorFileWriter / TensorFileReader (tensor_file.h).
+#include <caffe2/serialize/inline_container.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "bmt/checkpoint/file_io.h"
+#include "bmt/checkpoint/pt_pickle.h"
+#include "bmt/checkpoint/state_slices.h"
+#include "bmt/checkpoint/tensor_file.h"
+#include "bmt/core/error.h"
+
+namespace bmt::checkpoint::detail {
+namespace {
+
+// Pickle protocol 2, the subset torch.save emits for {str: tensor}.
+class PickleWriter {
+ public:
+  void proto() { out_ += "\x80\x02"; }
+  void global(const char* module, const char* name) { out_ += std::string("c") + module + "\n" + name + "\n"; }
+  void mark() { out_ += '('; }
+  void tuple() { out_ += 't'; }
+  void empty_tuple() { out_ += ')'; }
+  void empty_dict() { out_ += '}'; }
+  void reduce() { out_ += 'R'; }
+  void setitems() { out_ += 'u'; }
+  void binpersid() { out_ += 'Q'; }
+  void new_false() { out_ += '\x89'; }
+  void stop() { out_ += '.'; }
+  void str(const std::string& s) {
+    out_ += 'X';
+    put_le(static_cast<uint64_t>(s.size()), 4);
+    out_ += s;
+  }
+  void integer(int64_t v) {
+    if (v >= INT32_MIN && v <= INT32_MAX) {
+      out_ += 'J';
+      put_le(static_cast<uint64_t>(static_cast<uint32_t>(static_cast<int32_t>(v))), 4);
+    } else {  // LONG1: 8-byte two's complement
+      out_ += '\x8a';
+      out_ += '\x08';
+      put_le(static_cast<uint64_t>(v), 8);
+    }
+  }
+  const std::string& bytes() const { return out_; }
+
+ private:
+  void put_le(uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xFF);
+  }
+  std::string out_;
+};
+
+const char* storage_class(const std::string& dtype) {
+  static const std::map<std::string, const char*> m = {
+      {"F32", "FloatStorage"}, {"F64", "DoubleStorage"}, {"F16", "HalfStorage"}, {"BF16", "BFloat16Storage"},
+      {"I64", "LongStorage"},  {"I32", "IntStorage"},    {"I16", "ShortStorage"}, {"I8", "CharStorage"},
+      {"U8", "ByteStorage"},   {"BOOL", "BoolStorage"},  {"F8_E4M3", "Float8_e4m3fnStorage"},
+      {"F8_E5M2", "Float8_e5m2Storage"}};
+  auto it = m.find(dtype);
+  BMT_CHECK(it != m.end(), "cannot write dtype ", dtype, " to a .pt file");
+  return it->second;
+}
+
+std::string build_pickle(const std::vector<TensorInfo>& tensors) {
+  PickleWriter p;
+  p.proto();
+  p.empty_dict();
+  p.mark();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorInfo& t = tensors[i];
+    p.str(t.name);
+    p.global("torch._utils", "_rebuild_tensor_v2");
+    p.mark();
+    p.mark();  // persistent id: ('storage', torch.<T>Storage, key, location, numel)
+    p.str("storage");
+    p.global("torch", storage_class(t.dtype));
+    p.str(std::to_string(i));
+    p.str("cpu");
+    p.integer(checked_numel(t.shape, t.name));
+    p.tuple();
+    p.binpersid();
+    p.integer(0);  // storage offset
+    p.mark();
+    for (int64_t d : t.shape) p.integer(d);
+    p.tuple();
+    p.mark();
+    int64_t stride = 1;
+    std::vector<int64_t> strides(t.shape.size(), 1);
+    for (size_t k = t.shape.size(); k-- > 0;) {
+      strides[k] = stride;
+      stride *= std::max<int64_t>(t.shape[k], 1);
+    }
+    for (int64_t s : strides) p.integer(s);
+    p.tuple();
+    p.new_false();  // requires_grad
+    p.global("collections", "OrderedDict");
+    p.empty_tuple();
+    p.reduce();  // backward_hooks = OrderedDict()
+    p.tuple();
+    p.reduce();
+  }
+  p.setitems();
+  p.stop();
+  return p.bytes();
+}
+
+class PtWriter final : public TensorFileWriter {
+ public:
+  PtWriter(const std::string& path, const std::vector<TensorInfo>& tensors)
+      : path_(path), tmp_(temp_file_for(path)), tensors_(tensors) {
+    for (const TensorInfo& t : tensors) {
+      nbytes_.push_back(checked_nbytes(t.dtype, t.shape, "tensor " + t.name));
+      max_nbytes_ = std::max(max_nbytes_, nbytes_.back());
+    }
+    out_ = std::make_unique<OutFile>(tmp_);
+    // Errors must not unwind through the zip library's C code: record them and report a short write.
+    zip_ = std::make_unique<caffe2::serialize::PyTorchStreamWriter>([this](const void* data, size_t n) -> size_t {
+      if (discard_) return n;
+      try {
+        out_->write(data, static_cast<int64_t>(n));
+        return n;
+      } catch (const std::exception& e) {
+        write_error_ = e.what();
+        return 0;
+      }
+    });
+    const std::string pkl = build_pickle(tensors);
+    guarded([&] {
+      zip_->writeRecord("data.pkl", pkl.data(), pkl.size());
+      zip_->writeRecord("byteorder", "little", 6);
+    });
+    flush_complete();
+  }
+  ~PtWriter() override {
+    if (!committed_) {
+      discard_ = true;  // the stream writer's destructor finishes the archive: let it write nowhere
+      zip_.reset();
+      out_.reset();
+      ::unlink(tmp_.c_str());
+    }
+  }
+  void append(const void* data, int64_t nbytes) override {
+    const char* p = static_cast<const char*>(data);
+    while (nbytes > 0) {
+      BMT_ASSERT(cur_ < tensors_.size(), "appending past the last tensor of ", path_);
+      const int64_t take = std::min(nbytes, nbytes_[cur_] - static_cast<int64_t>(buf_.size()));
+      buf_.insert(buf_.end(), p, p + take);
+      p += take;
+      nbytes -= take;
+      flush_complete();
+    }
+  }
+  void commit() override {
+    BMT_ASSERT(cur_ == tensors_.size(), "commit of ", path_, " with ", tensors_.size() - cur_, " tensors missing");
+    guarded([&] { zip_->writeEndOfFile(); });
+    out_->sync();
+    out_->close();
+    commit_file(tmp_, path_);
+    committed_ = true;
+  }
+  int64_t max_buffered_nbytes() const override { return max_nbytes_; }
+
+ private:
+  // Writes every tensor whose bytes are complete (zero-size tensors at once).
+  template <typename F>
+  void guarded(F&& fn) {
+    try {
+      fn();
+    } catch (const c10::Error& e) {
+      BMT_ERROR("writing ", path_, " failed: ", write_error_.empty() ? e.what_without_backtrace() : write_error_);
+    }
+  }
+  void flush_complete() {
+    while (cur_ < tensors_.size() && static_cast<int64_t>(buf_.size()) == nbytes_[cur_]) {
+      guarded([&] { zip_->writeRecord("data/" + std::to_string(cur_), buf_.data(), buf_.size()); });
+      buf_.clear();
+      buf_.shrink_to_fit();
+      ++cur_;
+    }
+  }
+
+  std::string path_, tmp_;
+  std::vector<TensorInfo> tensors_;
+  std::vector<int64_t> nbytes_;
+  int64_t max_nbytes_ = 0;
+  std::unique_ptr<OutFile> out_;
+  std::unique_ptr<caffe2::serialize::PyTorchStreamWriter> zip_;
+  std::vector<char> buf_;
+  size_t cur_ = 0;
+  bool committed_ = false, discard_ = false;
+  std::string write_error_;
+};
+
+class PtReader final : public TensorFileReader {
+ public:
+  explicit PtReader(const std::string& path) : path_(path), file_(path) {
+    try {
+      caffe2::serialize::PyTorchStreamReader zip(path);
+      BMT_CHECK(zip.hasRecord("data.pkl"), path, ": not a torch.save archive (no data.pkl)");
+      auto [pkl, pkl_nbytes] = zip.getRecord("data.pkl");
+      refs_ = parse_torch_pickle(std::string_view(static_cast<const char*>(pkl.get()), pkl_nbytes), path);
+      for (const PickledTensor& t : refs_) {
+        const std::string rec = "data/" + t.storage_key;
+        BMT_CHECK(zip.hasRecord(rec), path, ": tensor ", t.name, " refers to a missing record ", rec);
+        const int64_t need = checked_nbytes(t.dtype, {t.storage_numel}, path);
+        BMT_CHECK(static_cast<int64_t>(zip.getRecordSize(rec)) >= need, path, ": record ", rec, " is shorter than its ",
+                  t.storage_numel, "-element storage (truncated or corrupted)");
+        uint8_t local[30];  // zip local file header: the record must be stored uncompressed
+        file_.pread_exact(static_cast<int64_t>(zip.getRecordHeaderOffset(rec)), 30, local);
+        BMT_CHECK(local[8] == 0 && local[9] == 0, path, ": record ", rec, " is compressed; only uncompressed archives "
+                  "(what torch.save writes) are supported");
+        record_offset_.push_back(static_cast<int64_t>(zip.getRecordOffset(rec)));
+        tensors_.push_back(TensorInfo{t.name, t.dtype, t.shape});
+      }
+    } catch (const core::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      BMT_ERROR("cannot read ", path, " as a torch.save archive: ", e.what());
+    }
+    gathered_.resize(refs_.size());
+  }
+  void read(size_t i, int64_t offset, int64_t nbytes, void* dst) override {
+    BMT_ASSERT(i < refs_.size(), "tensor index ", i);
+    const PickledTensor& t = refs_[i];
+    const int64_t elem = dtype_element_nbytes(t.dtype);
+    BMT_ASSERT(offset >= 0 && nbytes >= 0 && offset + nbytes <= checked_numel(t.shape, t.name) * elem,
+               "read outside tensor ", t.name);
+    if (nbytes == 0) return;
+    if (t.is_contiguous()) {  // straight from the file
+      file_.pread_exact(record_offset_[i] + t.storage_offset * elem + offset, nbytes, dst);
+      return;
+    }
+    if (!gathered_[i].defined()) {  // a strided view: gather it once (this tensor's size)
+      int64_t last = t.storage_offset;
+      for (size_t k = 0; k < t.shape.size(); ++k) last += (t.shape[k] - 1) * t.strides[k];
+      at::Tensor storage = at::empty({last + 1}, at::TensorOptions().dtype(scalar_type_of(t.dtype)));
+      file_.pread_exact(record_offset_[i], (last + 1) * elem, storage.data_ptr());
+      gathered_[i] = storage.as_strided(t.shape, t.strides, t.storage_offset).contiguous();
+    }
+    std::memcpy(dst, static_cast<const char*>(gathered_[i].data_ptr()) + offset, static_cast<size_t>(nbytes));
+  }
+  void release(size_t i) override {
+    if (i < gathered_.size()) gathered_[i] = at::Tensor();
+  }
+
+ private:
+  std::string path_;
+  InFile file_;
+  std::vector<PickledTensor> refs_;
+  std::vector<int64_t> record_offset_;
+  std::vector<at::Tensor> gathered_;
+};
+
+}  // namespace
+
+std::unique_ptr<TensorFileWriter> create_pt_file(const std::string& path, const std::vector<TensorInfo>& t) {
+  return std::make_unique<PtWriter>(path, t);
+}
+
+std::unique_ptr<TensorFileReader> open_pt_file(const std::string& path) { return std::make_unique<PtReader>(path); }
+
+}  // namespace bmt::checkpoint::detail

@@ -1,0 +1,266 @@
+#include "bmt/checkpoint/sharded_checkpoint.h"
+
+#include <mutex>
+#include <set>
+
+#include "bmt/checkpoint/atomic_dir.h"
+#include "bmt/checkpoint/checkpoint_reader.h"
+#include "bmt/checkpoint/comm_util.h"
+#include "bmt/checkpoint/save_job.h"
+#include "bmt/core/error.h"
+#include "bmt/init.h"
+
+namespace bmt::checkpoint {
+
+TrainingState& TrainingState::add(const std::string& name, std::shared_ptr<ShardedStateProvider> provider) {
+  BMT_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "model" && name != "rng",
+            "TrainingState::add: component name \"", name, "\" must be non-empty, without '/', and not model/rng");
+  for (const auto& c : components) BMT_CHECK(c.first != name, "TrainingState::add: duplicate component ", name);
+  components.emplace_back(name, std::move(provider));
+  return *this;
+}
+TrainingState& TrainingState::add(const std::string& name, optim::OptimManager& m) { return add(name, sharded_state(m)); }
+TrainingState& TrainingState::add(const std::string& name, optim::BmtOptimizer& o) { return add(name, sharded_state(o)); }
+TrainingState& TrainingState::add(const std::string& name, optim::lr_scheduler::WarmupLRScheduler& s) {
+  return add(name, sharded_state(s));
+}
+
+struct SaveHandle::State {
+  std::unique_ptr<detail::SaveJob> job;
+  SaveStats stats;
+  bool waited = false;
+  std::string final_error;
+};
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::mutex g_pending_mutex;
+std::shared_ptr<SaveHandle::State> g_pending;  // the async save in flight (not yet waited)
+
+SaveStats wait_state(SaveHandle::State& s) {
+  if (s.waited) {
+    BMT_CHECK(s.final_error.empty(), s.final_error);
+    return s.stats;
+  }
+  s.job->finish();
+  s.stats.write_s = s.job->write_s();
+  s.stats.total_s = s.job->total_s();
+  s.waited = true;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mutex);
+    if (g_pending.get() == &s) g_pending.reset();
+  }
+  try {
+    detail::raise_if_any_failed(*config().comm, s.job->error(), "checkpoint save to " + s.stats.dir);
+  } catch (const std::exception& e) {
+    s.final_error = e.what();
+    throw;
+  }
+  return s.stats;
+}
+
+}  // namespace
+
+SaveStats SaveHandle::wait() {
+  BMT_CHECK(state_ != nullptr, "SaveHandle::wait on an empty handle");
+  return wait_state(*state_);
+}
+
+bool SaveHandle::done() const { return state_ && state_->job->finished(); }
+double SaveHandle::stall_s() const { return state_ ? state_->stats.stall_s : 0.0; }
+
+void wait_pending_save() {
+  std::shared_ptr<SaveHandle::State> pending;
+  {
+    std::lock_guard<std::mutex> lock(g_pending_mutex);
+    pending = g_pending;
+  }
+  if (pending) wait_state(*pending);
+}
+
+SaveHandle save(const std::string& dir_in, const TrainingState& state, const SaveOptions& options) {
+  const auto t0 = Clock::now();
+  wait_pending_save();
+  const Config& cfg = config();
+  core::Communicator& comm = *cfg.comm;
+  const int rank = comm.rank(), world = comm.size();
+  const std::string dir = strip_trailing_slashes(dir_in);
+  BMT_CHECK(options.checksum_block_nbytes > 0, "checkpoint save: checksum_block_nbytes must be positive");
+
+  // 1. This rank's slices, then the plan (identical on every rank).
+  std::vector<LocalSlice> slices;
+  std::string err = detail::capture_error([&] {
+    std::unordered_map<const void*, std::string> names;
+    if (state.model) {
+      names = param_names(*state.model);
+      slices = model_slices(*state.model);
+    }
+    for (const auto& c : state.components) {
+      auto s = provider_slices(c.first, *c.second, names, rank);
+      slices.insert(slices.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
+    }
+    if (state.rng) {
+      auto s = rng_slices(rank);
+      slices.insert(slices.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
+    }
+  });
+  detail::raise_if_any_failed(comm, err, "checkpoint save to " + dir);
+  std::vector<SliceDecl> decls;
+  for (const LocalSlice& s : slices) decls.push_back(s.decl);
+  std::vector<std::vector<SliceDecl>> all;
+  for (const std::string& s : detail::all_gather_strings(comm, encode_decls(decls))) all.push_back(decode_decls(s));
+  const std::vector<PlannedEntry> plan = plan_pieces(all);
+  const FileLayout layout = layout_shard_files(plan, world);
+
+  // 2. The temporary directory ("!" + message on failure).
+  std::string tmp;
+  if (rank == 0) {
+    std::string e = detail::capture_error([&] {
+      repair_and_clean(dir);
+      tmp = make_temp_dir(dir);
+    });
+    if (!e.empty()) tmp = "!" + e;
+  }
+  tmp = detail::broadcast_string(comm, tmp, 0);
+  BMT_CHECK(tmp.empty() || tmp[0] != '!', "checkpoint save to ", dir, " failed on rank 0: ", tmp.substr(1));
+
+  // 3. This rank's part.
+  detail::SaveJobSpec spec;
+  spec.dir = dir;
+  spec.tmp_dir = tmp;
+  spec.rank = rank;
+  spec.world_size = world;
+  spec.items = rank_write_items(plan, layout, slices, rank);
+  spec.file_nbytes = layout.file_nbytes[static_cast<size_t>(rank)];
+  spec.allow_exchange = options.allow_exchange;
+  spec.timeout = cfg.timeout.count() > 0 ? cfg.timeout : std::chrono::milliseconds(std::chrono::minutes(10));
+  CheckpointMetadata& m = spec.meta_template;
+  m.world_size = world;
+  m.step = state.step;
+  m.created_by = "bmtrain (C++) sharded checkpoint";
+  m.user_metadata = state.user_metadata;
+  m.checksum_block_nbytes = options.checksum_block_nbytes;
+  if (rank == 0) m.entries = layout.entries;
+
+  auto hs = std::make_shared<SaveHandle::State>();
+  hs->stats.dir = dir;
+  hs->stats.rank_nbytes = spec.file_nbytes;
+  for (int64_t n : layout.file_nbytes) hs->stats.total_nbytes += n;
+  if (options.async) {
+    const auto ts = Clock::now();
+    err = detail::capture_error([&] { snapshot_to_host(spec.items); });
+    hs->stats.snapshot_s = seconds_since(ts);
+    slices.clear();
+    hs->job = std::make_unique<detail::SaveJob>(std::move(spec));
+    hs->job->started = t0;
+    if (err.empty()) hs->job->start_async();
+    else hs->job->run_failed(err);  // reported by wait(), like a write failure
+    hs->stats.stall_s = seconds_since(t0);
+    {
+      std::lock_guard<std::mutex> lock(g_pending_mutex);
+      g_pending = hs;
+    }
+    return SaveHandle(hs);
+  }
+  hs->job = std::make_unique<detail::SaveJob>(std::move(spec));
+  hs->job->started = t0;
+  hs->job->run();
+  wait_state(*hs);
+  hs->stats.stall_s = seconds_since(t0);
+  return SaveHandle(hs);
+}
+
+LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& options) {
+  wait_pending_save();
+  const Config& cfg = config();
+  core::Communicator& comm = *cfg.comm;
+  const int rank = comm.rank(), world = comm.size();
+  const std::string what = "checkpoint load from " + dir;
+  std::unique_ptr<CheckpointReader> reader;
+  detail::raise_if_any_failed(comm, detail::capture_error([&] { reader = std::make_unique<CheckpointReader>(dir); }),
+                              what);
+  LoadInfo info;
+  info.path = reader->path();
+  info.step = reader->metadata().step;
+  info.saved_world_size = reader->metadata().world_size;
+  info.user_metadata = reader->metadata().user_metadata;
+
+  // Check everything first.
+  std::vector<std::string> errors;
+  std::vector<std::pair<LoadTarget, const EntryMeta*>> model_work;
+  std::vector<optim::StateDict> component_sds;
+  std::string err = detail::capture_error([&] {
+    std::unordered_map<const void*, std::string> names;
+    if (state.model) {
+      names = param_names(*state.model);
+      std::set<std::string> wanted;
+      for (LoadTarget& t : model_targets(*state.model)) {
+        wanted.insert(t.key);
+        const EntryMeta* e = reader->find(t.key);
+        if (!e) {
+          info.missing_keys.push_back(t.key.substr(6));
+        } else if (e->dtype != t.dtype || e->shape != t.shape) {
+          errors.push_back(t.key.substr(6) + ": checkpoint has " + e->dtype + " " + shape_string(e->shape) +
+                           ", model has " + t.dtype + " " + shape_string(t.shape));
+        } else {
+          model_work.emplace_back(std::move(t), e);
+        }
+      }
+      for (const EntryMeta& e : reader->metadata().entries)
+        if (e.key.rfind("model/", 0) == 0 && !wanted.count(e.key)) info.unexpected_keys.push_back(e.key.substr(6));
+      if (options.strict && !info.missing_keys.empty()) {
+        std::string s = "missing model keys:";
+        for (const auto& k : info.missing_keys) s += " " + k;
+        errors.push_back(s);
+      }
+      if (options.strict && !info.unexpected_keys.empty()) {
+        std::string s = "unexpected model keys:";
+        for (const auto& k : info.unexpected_keys) s += " " + k;
+        errors.push_back(s + " (pass strict = false to load the matching keys only)");
+      }
+    }
+    for (const auto& c : state.components)
+      component_sds.push_back(provider_state_from(c.first, *c.second, names, rank, world, *reader, errors));
+    for (const auto& c : state.components) {
+      bool found = false;
+      for (const EntryMeta& e : reader->metadata().entries) {
+        auto it = e.attrs.find("component");
+        if (it != e.attrs.end() && it->second == c.first) {
+          found = true;
+          break;
+        }
+      }
+      if (!found) errors.push_back("the checkpoint has no state for component \"" + c.first + "\"");
+    }
+  });
+  if (err.empty() && !errors.empty()) {
+    err = "the checkpoint does not match the training state:";
+    for (const auto& e : errors) err += "\n    " + e;
+  }
+  detail::raise_if_any_failed(comm, err, what);
+
+  // Apply: model first (optimizers may derive state from parameters), then components, then RNG.
+  err = detail::capture_error([&] {
+    at::NoGradGuard no_grad;
+    for (auto& [t, e] : model_work) {
+      at::Tensor v = reader->read(*e, t.begin, t.end);
+      t.dst.copy_(v.view(t.dst.sizes()));
+    }
+    for (size_t i = 0; i < state.components.size(); ++i) state.components[i].second->load_state_dict(component_sds[i]);
+    if (options.rng && reader->metadata().world_size == world) {
+      info.rng_restored = restore_rng(rank, [&](const std::string& key) {
+        const EntryMeta* e = reader->find(key);
+        return e ? reader->read_full(*e) : at::Tensor();
+      }) > 0;
+    }
+  });
+  detail::raise_if_any_failed(comm, err, what);
+  state.step = info.step;
+  state.user_metadata = info.user_metadata;
+  return info;
+}
+
+}  // namespace bmt::checkpoint

@@ -1,0 +1,113 @@
+// Sharded distributed checkpoints: bmt::checkpoint::save(dir, state) / load(dir, state).
+//
+// Directory layout: "checkpoint.meta" (metadata.h: format version, global shapes/dtypes, where every slice lives,
+// CRC-32s per file and per block) and one "rank-XXXXX.bin" per rank holding that rank's local slices. Every
+// element is stored once (replicated tensors by rank 0).
+//
+// save (collective over bmt::config().comm, every rank calls it with the same state structure):
+//  1. collects this rank's slices: model parameters/buffers (model/...), each component's state (sharded_state.h),
+//     RNG states (rng/<rank>/...), and exchanges the declarations to plan who writes what;
+//  2. rank 0 repairs/cleans leftovers of interrupted saves and creates "<dir>.tmp-<random>";
+//  3. every rank writes its shard file in parallel; rank 0 writes the metadata last and atomically replaces
+//     "<dir>" (atomic_dir.h). A crash at any point leaves the previous or the new checkpoint loadable.
+//  Async mode: step 3 runs on a background thread from a host snapshot of this rank's pieces; save() returns after
+//  the snapshot, and SaveStats::stall_s reports how long the caller was blocked. Only one save is in flight: a new
+//  save (or wait_pending_save) first waits for the previous one. SaveHandle::wait() is collective.
+//
+// load (collective): every rank opens the checkpoint (CheckpointReader), checks the model (missing / unexpected
+// keys, shape and dtype mismatches) and each component's state (unknown parameters, shapes) and reports every
+// problem of every rank together in one error before changing anything; then reads only the byte ranges that
+// overlap its current shards (any world size, ZeRO level or Block layout; rounded out to the enclosing checksum
+// blocks, 1 MiB by default, so that every byte used is verified) and restores the RNG states when the
+// world size is unchanged. Errors during reading (checksum mismatch naming the file, missing or truncated files)
+// are agreed on, so every rank throws the same message.
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bmt/checkpoint/metadata.h"
+#include "bmt/checkpoint/sharded_state.h"
+
+namespace bmt::checkpoint {
+
+struct TrainingState {
+  torch::nn::Module* model = nullptr;
+  std::vector<std::pair<std::string, std::shared_ptr<ShardedStateProvider>>> components;  // name -> state
+  int64_t step = 0;
+  bool rng = true;  // save the RNG states
+  std::map<std::string, std::string> user_metadata;
+
+  TrainingState& add(const std::string& name, std::shared_ptr<ShardedStateProvider> provider);
+  TrainingState& add(const std::string& name, optim::OptimManager& manager);
+  TrainingState& add(const std::string& name, optim::BmtOptimizer& optimizer);
+  TrainingState& add(const std::string& name, optim::lr_scheduler::WarmupLRScheduler& scheduler);
+};
+
+struct SaveOptions {
+  bool async = false;
+  int64_t checksum_block_nbytes = kDefaultChecksumBlockNbytes;
+  bool allow_exchange = true;  // commit with renameat2(RENAME_EXCHANGE) where supported (else rename protocol)
+};
+
+struct SaveStats {
+  double stall_s = 0;     // time save() blocked the caller (includes waiting for a previous async save)
+  double snapshot_s = 0;  // part of the stall spent copying this rank's pieces to host memory (async)
+  double write_s = 0;     // writing + fsync of this rank's shard file
+  double total_s = 0;     // save() entry to the end of this rank's part (rank 0: to the commit)
+  int64_t rank_nbytes = 0;   // size of this rank's shard file
+  int64_t total_nbytes = 0;  // all shard files
+  std::string dir;
+};
+
+namespace detail {
+class SaveJob;
+}
+
+class SaveHandle {
+ public:
+  SaveHandle() = default;
+  // Collective: waits until the checkpoint is committed; throws on every rank if any rank failed.
+  // A second call returns the same stats.
+  SaveStats wait();
+  bool valid() const { return state_ != nullptr; }
+  // True once this rank's part is done (non-blocking, local).
+  bool done() const;
+  // How long save() blocked the caller; known as soon as save() returns.
+  double stall_s() const;
+
+  struct State;
+
+ private:
+  explicit SaveHandle(std::shared_ptr<State> s) : state_(std::move(s)) {}
+  std::shared_ptr<State> state_;
+  friend SaveHandle save(const std::string&, const TrainingState&, const SaveOptions&);
+};
+
+SaveHandle save(const std::string& dir, const TrainingState& state, const SaveOptions& options = {});
+// Collective: waits for the async save in flight, if any.
+void wait_pending_save();
+
+struct LoadOptions {
+  bool strict = true;  // missing or unexpected model keys are errors
+  bool rng = true;     // restore RNG states (only when the world size is unchanged)
+};
+
+struct LoadInfo {
+  std::string path;  // the directory actually read
+  int64_t step = 0;
+  int saved_world_size = 0;
+  std::map<std::string, std::string> user_metadata;
+  std::vector<std::string> missing_keys, unexpected_keys;  // model keys (strict = false)
+  bool rng_restored = false;
+};
+
+// Fills the model, every component, state.step and state.user_metadata.
+LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& options = {});
+
+}  // namespace bmt::checkpoint

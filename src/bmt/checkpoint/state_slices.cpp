@@ -1,0 +1,156 @@
+#include "bmt/checkpoint/state_slices.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+
+#include <mutex>
+
+#include "bmt/core/error.h"
+#include "bmt/parameter.h"
+
+namespace bmt::checkpoint {
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "F32";
+    case at::kDouble: return "F64";
+    case at::kHalf: return "F16";
+    case at::kBFloat16: return "BF16";
+    case at::kLong: return "I64";
+    case at::kInt: return "I32";
+    case at::kShort: return "I16";
+    case at::kChar: return "I8";
+    case at::kByte: return "U8";
+    case at::kBool: return "BOOL";
+    case at::kFloat8_e4m3fn: return "F8_E4M3";
+    case at::kFloat8_e5m2: return "F8_E5M2";
+    default: BMT_ERROR("checkpoint: tensors of dtype ", c10::toString(t), " cannot be saved (supported: float64/32/16, "
+                       "bfloat16, float8_e4m3fn/e5m2, int64/32/16/8, uint8, bool)");
+  }
+}
+
+at::ScalarType scalar_type_of(const std::string& dtype) {
+  static const std::map<std::string, at::ScalarType> map = {
+      {"F32", at::kFloat}, {"F64", at::kDouble}, {"F16", at::kHalf},  {"BF16", at::kBFloat16},
+      {"I64", at::kLong},  {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},
+      {"U8", at::kByte},   {"BOOL", at::kBool},  {"F8_E4M3", at::kFloat8_e4m3fn}, {"F8_E5M2", at::kFloat8_e5m2}};
+  auto it = map.find(dtype);
+  BMT_CHECK(it != map.end(), "checkpoint: dtype \"", dtype, "\" has no torch equivalent in this build");
+  return it->second;
+}
+
+std::unordered_map<const void*, std::string> param_names(torch::nn::Module& model) {
+  std::unordered_map<const void*, std::string> names;
+  for (auto& item : model.named_parameters(true)) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  for (auto& item : model.named_buffers(true)) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  return names;
+}
+
+ParamRange param_range(const at::Tensor& p, const std::string& name) {
+  ParamRange r;
+  if (const ParamMeta* m = find_meta(p)) {
+    BMT_CHECK(m->tp_size <= 1 || m->tp_split_dim < 0, "checkpoint: parameter ", name, " is split for tensor "
+              "parallelism (tp_size ", m->tp_size, "); tensor-parallel checkpoints are not supported yet");
+    r.full_shape = m->full_shape;
+    r.begin = m->shard_begin;
+    r.end = m->shard_end;
+    BMT_ASSERT(p.numel() == r.end - r.begin, "parameter ", name, " holds ", p.numel(), " elements, its shard range is [",
+               r.begin, ", ", r.end, ")");
+  } else {
+    r.full_shape = p.sizes().vec();
+    r.begin = 0;
+    r.end = p.numel();
+  }
+  return r;
+}
+
+namespace {
+
+template <typename Fn>
+void for_each_model_tensor(torch::nn::Module& model, Fn&& fn) {
+  for (auto& item : model.named_parameters(true)) fn(item.key(), item.value(), "parameter");
+  for (auto& item : model.named_buffers(true)) fn(item.key(), item.value(), "buffer");
+}
+
+}  // namespace
+
+std::vector<LocalSlice> model_slices(torch::nn::Module& model, const std::string& prefix) {
+  std::vector<LocalSlice> out;
+  for_each_model_tensor(model, [&](const std::string& name, const at::Tensor& t, const char* kind) {
+    ParamRange r = param_range(t, name);
+    LocalSlice s;
+    s.decl.key = prefix + name;
+    s.decl.dtype = dtype_name(t.scalar_type());
+    s.decl.shape = r.full_shape;
+    s.decl.attrs = {{"role", "model"}, {"kind", kind}};
+    s.decl.begin = r.begin;
+    s.decl.end = r.end;
+    s.data = t.detach();
+    out.push_back(std::move(s));
+  });
+  return out;
+}
+
+std::vector<LoadTarget> model_targets(torch::nn::Module& model, const std::string& prefix) {
+  std::vector<LoadTarget> out;
+  for_each_model_tensor(model, [&](const std::string& name, const at::Tensor& t, const char*) {
+    ParamRange r = param_range(t, name);
+    out.push_back(LoadTarget{prefix + name, dtype_name(t.scalar_type()), r.full_shape, r.begin, r.end, t.detach()});
+  });
+  return out;
+}
+
+namespace {
+
+int cuda_device_count() {
+  const auto& hooks = at::detail::getCUDAHooks();
+  return hooks.hasCUDA() ? static_cast<int>(hooks.deviceCount()) : 0;
+}
+
+LocalSlice rng_slice(int rank, const std::string& device, at::Tensor state) {
+  LocalSlice s;
+  s.data = state.contiguous().view({-1});
+  s.decl.key = "rng/" + std::to_string(rank) + "/" + device;
+  s.decl.dtype = "U8";
+  s.decl.shape = {s.data.numel()};
+  s.decl.attrs = {{"role", "rng"}, {"rank", std::to_string(rank)}, {"device", device}};
+  s.decl.begin = 0;
+  s.decl.end = s.data.numel();
+  return s;
+}
+
+}  // namespace
+
+std::vector<LocalSlice> rng_slices(int rank) {
+  std::vector<LocalSlice> out;
+  {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    out.push_back(rng_slice(rank, "cpu", gen.get_state()));
+  }
+  for (int i = 0; i < cuda_device_count(); ++i) {
+    at::Generator gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    out.push_back(rng_slice(rank, "cuda:" + std::to_string(i), gen.get_state()));
+  }
+  return out;
+}
+
+int restore_rng(int rank, const std::function<at::Tensor(const std::string&)>& read_entry) {
+  int restored = 0;
+  auto restore = [&](at::Generator gen, const std::string& device) {
+    at::Tensor state = read_entry("rng/" + std::to_string(rank) + "/" + device);
+    if (!state.defined()) return;
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state.to(at::kCPU).contiguous());
+    ++restored;
+  };
+  restore(at::detail::getDefaultCPUGenerator(), "cpu");
+  for (int i = 0; i < cuda_device_count(); ++i)
+    restore(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))),
+            "cuda:" + std::to_string(i));
+  return restored;
+}
+
+}  // namespace bmt::checkpoint

@@ -1,0 +1,110 @@
+// Helpers of the multi-rank checkpoint tests: a directory shared by the test process and its rank processes, and
+// a deterministic trainer (tiny model from tests/engine, AdamOptimizer + Cosine schedule under an OptimManager,
+// global batch split over the ranks) whose losses do not depend on the world size beyond fp32 rounding.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "bmt/checkpoint/file_io.h"
+#include "bmt/checkpoint/sharded_checkpoint.h"
+#include "bmt/distributed.h"
+#include "bmt/optim/adam.h"
+#include "bmt/optim/lr_scheduler.h"
+#include "bmt/optim/optim_manager.h"
+#include "bmt/state_dict.h"
+#include "run_ranks.h"
+#include "tiny_model.h"
+
+namespace ckpt_test {
+
+// The same path in the test process and in the rank processes it forks (keyed by the test process id).
+inline std::string shared_dir(const std::string& tag) {
+  const int owner = bmt::testing::in_rank_process() ? getppid() : getpid();
+  return "/tmp/bmt_ckpt_mr_" + std::to_string(owner) + "_" + tag;
+}
+
+// Creates the directory in the test process; removes it at scope exit (test process only).
+struct SharedDir {
+  explicit SharedDir(const std::string& tag) : path(shared_dir(tag)) {
+    if (!bmt::testing::in_rank_process()) {
+      bmt::checkpoint::remove_tree(path);
+      bmt::checkpoint::make_directory(path);
+    }
+  }
+  ~SharedDir() {
+    if (!bmt::testing::in_rank_process() && !::testing::Test::HasFailure()) bmt::checkpoint::remove_tree(path);
+  }
+  std::string operator/(const std::string& name) const { return path + "/" + name; }
+  std::string path;
+};
+
+constexpr uint64_t kSeed = 4321;
+constexpr int64_t kGlobalBatch = 12, kSeq = 4;  // 12 divides over 1, 2, 3, 4 ranks
+
+inline at::Tensor batch_tokens(int step) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(5000 + step);
+  return at::randint(0, 16, {kGlobalBatch, kSeq + 1}, g, at::TensorOptions().dtype(at::kLong));
+}
+
+struct Trainer {
+  tiny::Dims dims;
+  std::unique_ptr<tiny::Model> model;
+  std::shared_ptr<bmt::optim::AdamOptimizer> adam;
+  std::shared_ptr<bmt::optim::lr_scheduler::Cosine> sched;
+  std::unique_ptr<bmt::optim::OptimManager> manager;
+
+  Trainer(int zero_level, bool use_list, tiny::Dims d = {}) : dims(d) {
+    bmt::BlockOptions opts;
+    opts.zero_level = zero_level;
+    model = std::make_unique<tiny::Model>(dims, opts, use_list);
+    at::manual_seed(kSeed);
+    bmt::init_parameters(*model);
+    adam = std::make_shared<bmt::optim::AdamOptimizer>(model->parameters(), bmt::optim::AdamOptions(2e-2));
+    sched = std::make_shared<bmt::optim::lr_scheduler::Cosine>(adam, 2e-2, 2, 12);
+    manager = std::make_unique<bmt::optim::OptimManager>();
+    manager->add_optimizer(adam, sched);
+  }
+
+  bmt::checkpoint::TrainingState state(int64_t step) {
+    bmt::checkpoint::TrainingState s;
+    s.model = model.get();
+    s.add("optim", *manager);
+    s.step = step;
+    return s;
+  }
+
+  // One update on global batch `step`; returns the global mean loss.
+  double step(int step) {
+    const auto& cfg = bmt::config();
+    const int64_t per_rank = kGlobalBatch / cfg.world_size;
+    at::Tensor tok = batch_tokens(step).narrow(0, cfg.rank * per_rank, per_rank);
+    at::Tensor logits = model->forward(tok.narrow(1, 0, kSeq));
+    at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, dims.vocab}), tok.narrow(1, 1, kSeq).reshape({-1}));
+    manager->backward(loss);
+    manager->step();
+    manager->zero_grad();
+    return bmt::sum_loss(loss.detach()).item<double>();
+  }
+};
+
+inline void write_doubles(const std::string& path, const std::vector<double>& v) {
+  std::ofstream out(path);
+  out.precision(17);
+  for (double x : v) out << x << "\n";
+}
+
+inline std::vector<double> read_doubles(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<double> v;
+  double x;
+  while (in >> x) v.push_back(x);
+  return v;
+}
+
+}  // namespace ckpt_test

@@ -1,0 +1,113 @@
+// Sharded checkpoints with resharding: save at world size 4 (ZeRO-3, TransformerBlockList) after 3 steps, then
+// resume at world sizes 4, 2, 1 and 3 with ZeRO-2/3, with and without the block list. The next 3 losses and the
+// final parameters must equal the uninterrupted run's: bit-identical at the same world size and ZeRO level, within
+// fp32 tolerance otherwise (only reduction orders differ). Model, Adam moments and fp32 state, LR schedule and
+// loss-scaler state all go through the checkpoint.
+#include "bmt/checkpoint/checkpoint_reader.h"
+#include "bmt/checkpoint/consolidated.h"
+#include "bmt/checkpoint/export.h"
+#include "bmt/checkpoint/tensor_file.h"
+#include "ckpt_test_util.h"
+
+using namespace ckpt_test;
+namespace ck = bmt::checkpoint;
+
+namespace {
+
+constexpr int kBefore = 3, kAfter = 3;
+
+void resume_and_compare(const SharedDir& dir, int zero, bool list, bool exact) {
+  Trainer t(zero, list);
+  // A perturbation that the load must overwrite completely.
+  t.step(100);
+  ck::TrainingState st = t.state(0);
+  ck::LoadInfo info = ck::load(dir / "ckpt", st);
+  EXPECT_EQ(info.step, kBefore);
+  EXPECT_EQ(st.step, kBefore);
+  EXPECT_EQ(info.saved_world_size, 4);
+  EXPECT_EQ(info.user_metadata.at("run"), "reshard");
+  EXPECT_EQ(info.rng_restored, bmt::world_size() == 4);
+  EXPECT_EQ(t.sched->num_iter(), kBefore);
+  std::vector<double> ref = read_doubles(dir / "losses.txt");
+  ASSERT_EQ(ref.size(), static_cast<size_t>(kAfter));
+  for (int s = 0; s < kAfter; ++s) {
+    double loss = t.step(kBefore + s);
+    if (exact) EXPECT_EQ(loss, ref[s]) << "step " << s << " world " << bmt::world_size();
+    else EXPECT_NEAR(loss, ref[s], 2e-5 * std::abs(ref[s])) << "step " << s << " world " << bmt::world_size();
+  }
+  bmt::StateDict sd = bmt::state_dict(*t.model);
+  auto final_ref = ck::open_tensor_file(dir / "final.safetensors");
+  for (size_t i = 0; i < final_ref->tensors().size(); ++i) {
+    const ck::TensorInfo& ti = final_ref->tensors()[i];
+    at::Tensor want = at::empty(ti.shape);
+    final_ref->read(i, 0, static_cast<int64_t>(want.nbytes()), want.data_ptr());
+    ASSERT_TRUE(sd.count(ti.name)) << ti.name;
+    if (exact) EXPECT_TRUE(at::equal(sd[ti.name], want)) << ti.name;
+    else EXPECT_LT((sd[ti.name] - want).abs().max().item<double>(), 2e-5) << ti.name;
+  }
+}
+
+}  // namespace
+
+TEST(ShardedCheckpoint, ResumeAtOtherWorldSizesAndZeroLevels) {
+  SharedDir dir("reshard");
+  bmt::testing::run_ranks(4, [&] {
+    Trainer t(3, true);
+    for (int s = 0; s < kBefore; ++s) t.step(s);
+    ck::TrainingState st = t.state(kBefore);
+    st.user_metadata = {{"run", "reshard"}};
+    ck::SaveStats stats = ck::save(dir / "ckpt", st).wait();
+    EXPECT_GT(stats.total_nbytes, 0);
+    std::vector<double> losses;
+    for (int s = 0; s < kAfter; ++s) losses.push_back(t.step(kBefore + s));
+    if (bmt::rank() == 0) write_doubles(dir / "losses.txt", losses);
+    bmt::save(*t.model, dir / "final.safetensors");
+  });
+  // Same world size and ZeRO level: bit-identical.
+  bmt::testing::run_ranks(4, [&] { resume_and_compare(dir, 3, true, true); });
+  // Other world sizes, ZeRO-2 <-> ZeRO-3, plain blocks vs block list.
+  bmt::testing::run_ranks(2, [&] { resume_and_compare(dir, 2, false, false); });
+  bmt::testing::run_ranks(1, [&] { resume_and_compare(dir, 3, true, false); });
+  bmt::testing::run_ranks(3, [&] { resume_and_compare(dir, 2, true, false); });
+  bmt::testing::run_ranks(4, [&] { resume_and_compare(dir, 2, false, false); });
+}
+
+TEST(ShardedCheckpoint, SaveAtTwoResumeBitIdenticalAndExportMatchesConsolidated) {
+  SharedDir dir("same");
+  bmt::testing::run_ranks(2, [&] {
+    Trainer t(2, true);
+    for (int s = 0; s < 2; ++s) t.step(s);
+    ck::save(dir / "ckpt", t.state(2)).wait();
+    bmt::save(*t.model, dir / "model.safetensors");
+    std::vector<double> losses;
+    for (int s = 2; s < 4; ++s) losses.push_back(t.step(s));
+    if (bmt::rank() == 0) write_doubles(dir / "losses.txt", losses);
+  });
+  bmt::testing::run_ranks(2, [&] {
+    Trainer t(2, true);
+    ck::TrainingState st = t.state(0);
+    ck::load(dir / "ckpt", st);
+    std::vector<double> ref = read_doubles(dir / "losses.txt");
+    for (int s = 2; s < 4; ++s) EXPECT_EQ(t.step(s), ref[static_cast<size_t>(s - 2)]) << "step " << s;
+  });
+  if (bmt::testing::in_rank_process()) return;
+  // Offline export (what bmt-ckpt export runs) equals bmt::save's file byte for byte in every tensor.
+  for (const char* out : {"export.safetensors", "export.pt"}) {
+    ck::ExportStats es = ck::export_consolidated(dir / "ckpt", dir / out, "model/", 256);
+    EXPECT_LE(es.peak_buffer_nbytes, 256 + (std::string(out).find(".pt") != std::string::npos ? 16 * 8 * 4 : 0));
+    auto a = ck::open_tensor_file(dir / out), b = ck::open_tensor_file(dir / "model.safetensors");
+    ASSERT_EQ(a->tensors().size(), b->tensors().size());
+    for (size_t i = 0; i < a->tensors().size(); ++i) {
+      EXPECT_EQ(a->tensors()[i].name, b->tensors()[i].name);
+      const int64_t n = ck::checked_nbytes(a->tensors()[i].dtype, a->tensors()[i].shape, "t");
+      std::vector<char> x(static_cast<size_t>(n)), y(static_cast<size_t>(n));
+      a->read(i, 0, n, x.data());
+      b->read(i, 0, n, y.data());
+      EXPECT_EQ(x, y) << a->tensors()[i].name;
+    }
+  }
+  std::string info = ck::describe_checkpoint(dir / "ckpt", true);
+  EXPECT_NE(info.find("world size      2"), std::string::npos) << info;
+  EXPECT_NE(info.find("optim/shard/optimizers.0.embed.weight/exp_avg"), std::string::npos) << info;
+  EXPECT_TRUE(ck::CheckpointReader(dir / "ckpt").verify_all().empty());
+}
