@@ -22,6 +22,9 @@ void stream_wait(const std::optional<c10::Stream>& waiter, const std::optional<c
   event.block(*waiter);
 }
 
-void wait_for_gradient_reduction() { stream_wait(compute_stream(), comm_stream()); }
+void wait_for_gradient_reduction() {
+  if (!is_initialized()) return;  // nothing distributed yet: no comm stream
+  stream_wait(compute_stream(), comm_stream());
+}
 
 }  // namespace bmt
