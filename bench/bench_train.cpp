@@ -295,7 +295,9 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   init.quiet = true;
   bmt::init_distributed(init);
   const auto& cfg = bmt::config();
-  const at::ScalarType dtype = examples::default_param_dtype();
+  // BMT_BENCH_DTYPE=bf16|fp32 overrides the default (bf16 on GPUs, fp32 on CPUs), e.g. to run the bf16 path on CPU.
+  at::ScalarType dtype = examples::default_param_dtype();
+  if (const char* d = std::getenv("BMT_BENCH_DTYPE")) dtype = std::string(d) == "bf16" ? at::kBFloat16 : at::kFloat;
   std::shared_ptr<examples::LanguageModel> model =
       examples::make_model(shape.model, {a.zero, a.checkpointing}, dtype);
   at::manual_seed(a.seed);
