@@ -6,6 +6,15 @@
 #include "bmt/core/error.h"
 
 namespace bmt {
+namespace {
+
+// c10::Error::what() carries a C++ backtrace of dozens of lines; our messages keep only its text.
+std::string describe(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+}  // namespace
 
 void TorchStore::set(const std::string& key, const std::vector<uint8_t>& value) { store_->set(key, value); }
 
@@ -13,7 +22,7 @@ std::vector<uint8_t> TorchStore::get(const std::string& key) {
   try {
     return store_->get(key);
   } catch (const std::exception& e) {
-    throw core::DistError(core::concat("rendezvous store: waiting for key '", key, "' failed: ", e.what(),
+    throw core::DistError(core::concat("rendezvous store: waiting for key '", key, "' failed: ", describe(e),
                                        " (a rank did not start or died before publishing it)"));
   }
 }
@@ -36,7 +45,7 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int p
   } catch (const std::exception& e) {
     throw core::DistError(core::concat("rank ", rank, ": cannot ", opts.isServer ? "host" : "reach",
                                        " the rendezvous store at ", host, ":", port, " within ", timeout.count(),
-                                       " ms: ", e.what(), ". Check MASTER_ADDR/MASTER_PORT and that rank 0 is up",
+                                       " ms: ", describe(e), ". Check MASTER_ADDR/MASTER_PORT and that rank 0 is up",
                                        opts.isServer ? " (is the port already in use?)" : ""));
   }
   if (use_agent_store)

@@ -156,7 +156,9 @@ RankRunReport run_ranks(int world_size, const std::function<void()>& body, bmt::
   }
   report.summary = os.str();
   if (!report.all_ok && !run.expect_failure) ADD_FAILURE() << test << " at world size " << world_size << ":\n" << report.summary;
-  if (report.all_ok) {
+  // Keep the logs of an unexpected failure for inspection; otherwise (success, or a fault test that expected the
+  // failure and got the report) clean up.
+  if (report.all_ok || run.expect_failure) {
     for (auto& l : logs) std::remove(l.c_str());
     rmdir(dir.c_str());
   }
