@@ -3,37 +3,28 @@
 #include <torch/autograd.h>
 #include <torch/nn/init.h>
 
-#include <mutex>
-#include <unordered_map>
 
 #include "bmt/block.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
 #include "bmt/param_registry.h"
 #include "bmt/tensor_adapter.h"
+#include "bmt/tensor_registry.h"
 
 namespace bmt {
 namespace {
 
-std::mutex g_mutex;
-// The weak reference keeps a dead parameter's TensorImpl address from being reused while its entry exists,
-// and tells a lookup that the parameter is gone.
-struct MetaEntry {
-  c10::weak_intrusive_ptr<c10::TensorImpl> impl{c10::weak_intrusive_ptr<c10::TensorImpl>::reclaim(nullptr)};
-  std::shared_ptr<ParamMeta> meta;
-};
-std::unordered_map<const void*, MetaEntry>& metas() {
-  static std::unordered_map<const void*, MetaEntry> map;
-  return map;
+// Metadata lives beside the tensor, keyed by its TensorImpl (see tensor_registry.h for the lifetime rules).
+TensorRegistry<std::shared_ptr<ParamMeta>>& metas() {
+  static TensorRegistry<std::shared_ptr<ParamMeta>> registry;
+  return registry;
 }
 
 int64_t partition_numel(int64_t full_numel, int world) { return (full_numel + world - 1) / world; }
 
 void register_meta(const at::Tensor& t, std::shared_ptr<ParamMeta> meta) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto& map = metas();
-  for (auto it = map.begin(); it != map.end();) it = it->second.impl.expired() ? map.erase(it) : std::next(it);
-  map[t.unsafeGetTensorImpl()] = MetaEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), std::move(meta)};
+  metas().sweep();
+  metas().update(t, [&](std::shared_ptr<ParamMeta>& m) { m = std::move(meta); });
 }
 
 at::Tensor make_shard(const ParamMeta& m, bool requires_grad) {
@@ -132,14 +123,7 @@ bool is_distributed_param(const at::Tensor& param) { return find_meta(param) != 
 
 ParamMeta* find_meta(const at::Tensor& param) {
   if (!param.defined()) return nullptr;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = metas().find(param.unsafeGetTensorImpl());
-  if (it == metas().end()) return nullptr;
-  if (it->second.impl.expired()) {
-    metas().erase(it);
-    return nullptr;
-  }
-  return it->second.meta.get();
+  return metas().read(param, [](const std::shared_ptr<ParamMeta>* m) { return m ? m->get() : nullptr; });
 }
 
 ParamMeta& meta_of(const at::Tensor& param) {
