@@ -27,6 +27,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "bench_env.h"
 #include "bmt/core/kernels/adam.h"
 #include "bmt/core/kernels/thread_pool.h"
 #include "bmt/optim/adam_offload.h"
@@ -56,24 +57,6 @@ double median_seconds(int iters, const std::function<void()>& fn) {
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
-}
-
-std::string shell_line(const std::string& cmd) {
-  std::string out;
-  if (FILE* f = popen(cmd.c_str(), "r")) {
-    char buf[256];
-    if (fgets(buf, sizeof(buf), f)) out = buf;
-    pclose(f);
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-  return out;
-}
-
-std::string machine_name() {
-  if (const char* m = std::getenv("BMT_BENCH_MACHINE")) return m;
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  return host;
 }
 
 std::vector<int64_t> split_sizes(int64_t total, int64_t tensors) {
@@ -219,8 +202,8 @@ int main(int argc, char** argv) {
   }
 
   if (json) {
-    std::string machine = machine_name();
-    std::string commit = shell_line(std::string("git -C '") + BMT_SOURCE_DIR + "' rev-parse --short HEAD 2>/dev/null");
+    std::string machine = bench::machine_name();
+    std::string commit = bench::git_commit();
     char date[32];
     std::time_t now = std::time(nullptr);
     std::strftime(date, sizeof(date), "%Y-%m-%d", std::localtime(&now));

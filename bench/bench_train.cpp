@@ -49,6 +49,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include "bench_env.h"
 #include "bmt/block.h"
 #include "bmt/init.h"
 #include "bmt/optim/adam.h"
@@ -181,30 +182,6 @@ Shape resolve_shape(const Args& a) {
 }
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-std::string shell_line(const std::string& cmd) {
-  std::string out;
-  if (FILE* f = popen(cmd.c_str(), "r")) {
-    char buf[256];
-    if (fgets(buf, sizeof(buf), f)) out = buf;
-    pclose(f);
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == '\r' || out.back() == ' ')) out.pop_back();
-  return out;
-}
-
-std::string git_commit() {
-  if (const char* c = std::getenv("BMT_GIT_COMMIT"); c && *c) return c;
-  std::string c = shell_line(std::string("git -C '") + BMT_SOURCE_DIR + "' rev-parse --short HEAD 2>/dev/null");
-  return c.empty() ? "unknown" : c;
-}
-
-std::string machine_name() {
-  if (const char* m = std::getenv("BMT_BENCH_MACHINE"); m && *m) return m;
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  return host;
-}
 
 std::string utc_now() {
   char buf[32];
@@ -505,7 +482,7 @@ int run(const Args& a) {
       << json_str(a.framework == "bmt" ? "bmtrain" : "plain") << ",\"world\":" << r.world
       << ",\"tokens_per_s\":" << json_num(tokens_per_s, 8) << ",\"mfu\":" << json_num(mfu, 5)
       << ",\"peak_gpu_gib\":" << json_num(peak_gib, 5) << ",\"step_s\":" << json_num(step_s, 6)
-      << ",\"git_commit\":" << json_str(git_commit()) << ",\"machine\":" << json_str(machine_name())
+      << ",\"git_commit\":" << json_str(bench::git_commit()) << ",\"machine\":" << json_str(bench::machine_name())
       << ",\"date\":" << json_str(utc_now()) << ",\"preset\":" << json_str(a.preset)
       << ",\"arch\":" << json_str(shape.model.arch) << ",\"seq\":" << T << ",\"batch\":" << B
       << ",\"steps\":" << a.steps << ",\"warmup\":" << a.warmup
