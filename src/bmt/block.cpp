@@ -6,6 +6,7 @@
 #include <torch/custom_class.h>
 
 #include <map>
+#include <tuple>
 #include <mutex>
 
 #include "bmt/core/error.h"
@@ -62,6 +63,7 @@ void restore_rng(const RngState& s) {
 struct Block::Group {
   at::ScalarType dtype;
   std::shared_ptr<core::Communicator> comm;
+  TpGradReduce tp_grad_reduce = TpGradReduce::kNone;  // tp-replicated parameters: all-reduce over tp after reducing
   int64_t used_numel = 0;       // packed length incl. alignment padding
   int64_t partition_numel = 0;  // shard length; the full buffer is partition_numel * comm->size()
   at::Tensor shard;
@@ -147,7 +149,7 @@ Block::~Block() {
 }
 
 void Block::build_storage() {
-  std::map<std::pair<int, core::Communicator*>, size_t> group_of;
+  std::map<std::tuple<int, core::Communicator*, int>, size_t> group_of;
   for (auto& item : module_->named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
     ParamMeta* m = find_meta(p);
@@ -157,13 +159,14 @@ void Block::build_storage() {
     BMT_CHECK(m->block == nullptr, "Block: parameter '", item.key(), "' already belongs to another Block (a module "
               "wrapped twice, or a parameter shared between two Blocks); wrap each module once and do not share "
               "parameters across Blocks");
-    auto key = std::make_pair(static_cast<int>(m->dtype), m->comm.get());
+    auto key = std::make_tuple(static_cast<int>(m->dtype), m->comm.get(), static_cast<int>(m->tp_grad_reduce));
     auto it = group_of.find(key);
     if (it == group_of.end()) {
       it = group_of.emplace(key, groups_.size()).first;
       auto g = std::make_unique<Group>();
       g->dtype = m->dtype;
       g->comm = m->comm;
+      g->tp_grad_reduce = m->tp_grad_reduce;
       groups_.push_back(std::move(g));
     }
     Group& g = *groups_[it->second];
@@ -203,7 +206,7 @@ void Block::build_storage() {
     m.shard_end = m.shard_begin + s->local_numel;
     set_main_grad(s->param, g.grad_shard.narrow(0, s->local_begin, s->local_numel));
     if (g.grad_shard.scalar_type() == g.dtype) s->param.mutable_grad() = g.grad_shard.narrow(0, s->local_begin, s->local_numel);
-    set_replication(s->param, config().world_size / g.comm->size());
+    set_replication(s->param, replication_of(m));
   }
   point_at_shard();
   memory::add_shard_bytes(shard_nbytes());
@@ -437,6 +440,7 @@ void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
     at::Tensor mine = at::empty({g.partition_numel}, flat.options());
     g.comm->reduce_scatter(flat.data_ptr(), mine.data_ptr(), g.partition_numel, to_core_dtype(rdt), options_.reduce_op,
                            comm_s ? comm_s->native_handle() : nullptr);
+    reduce_over_tp(mine, g.tp_grad_reduce);  // on the comm stream (current under the guard)
     g.grad_shard.add_(mine);
   }
 }

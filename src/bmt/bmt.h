@@ -7,6 +7,8 @@
 #include "bmt/init.h"
 #include "bmt/memory_stats.h"
 #include "bmt/nn/layers.h"
+#include "bmt/nn/parallel_layers.h"
+#include "bmt/nn/tp_ops.h"
 #include "bmt/param_registry.h"
 #include "bmt/parameter.h"
 #include "bmt/state_dict.h"

@@ -16,7 +16,9 @@ core::Communicator* comm_of(AutogradContext* ctx) {
   return reinterpret_cast<core::Communicator*>(ctx->saved_data["comm"].toInt());
 }
 
-// Non-differentiable building blocks.
+}  // namespace
+
+// Non-differentiable building blocks (also used by the tensor-parallel ops).
 at::Tensor raw_all_gather(const at::Tensor& x_in, core::Communicator& comm) {
   at::Tensor x = x_in.contiguous();
   check_comm_tensor(x, comm, "all_gather", "input");
@@ -58,6 +60,8 @@ at::Tensor raw_broadcast(const at::Tensor& x_in, int root, core::Communicator& c
                  current_stream_handle(x));
   return out;
 }
+
+namespace {
 
 struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t comm_ptr) {

@@ -30,6 +30,12 @@ at::Tensor broadcast(const at::Tensor& x, int root, core::Communicator& comm);
 void send_activations(const at::Tensor& x, int peer, core::Communicator& comm);
 at::Tensor recv_activations(int peer, core::Communicator& comm, const at::Device& device);
 
+// Non-differentiable versions (same shapes), on the tensor's current stream.
+at::Tensor raw_all_gather(const at::Tensor& x, core::Communicator& comm);
+at::Tensor raw_reduce_scatter(const at::Tensor& x, core::ReduceOp op, core::Communicator& comm);
+at::Tensor raw_all_reduce(const at::Tensor& x, core::ReduceOp op, core::Communicator& comm);
+at::Tensor raw_broadcast(const at::Tensor& x, int root, core::Communicator& comm);
+
 }  // namespace bmt::distributed
 
 namespace bmt {

@@ -129,6 +129,7 @@ void init_distributed(const InitOptions& options_in) {
   cfg.local_rank = env.local_rank;
   cfg.local_size = env.local_size;
   cfg.zero_level = options.zero_level;
+  cfg.sequence_parallel = options.sequence_parallel;
   cfg.seed = options.seed;
   cfg.backend = backend;
   cfg.timeout = options.timeout;

@@ -32,6 +32,11 @@ struct InitOptions {
   uint64_t seed = 0;
   int zero_level = 3;   // default ZeRO level of Blocks created without an explicit one (2 or 3)
   int tp_size = 1;
+  // Tensor-parallel activation layout the model uses (BMTrain's, and the default of bmt::nn's parallel layers):
+  // activations between TP regions split along dim 0 over the tp group, so tp-replicated parameters (norms,
+  // row-parallel biases) get partial gradients that are summed over the group. false: Megatron's replicated
+  // activations (identical gradients, averaged). Per parameter: set_tp_grad_reduce.
+  bool sequence_parallel = true;
   int pipe_size = 1;
   Backend backend = Backend::kAuto;  // auto: NCCL when CUDA is built and a GPU is visible, else Gloo
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};  // every blocking wait; env BMT_TIMEOUT_S overrides
@@ -46,6 +51,7 @@ struct Config {
   int tp_zero_rank = 0, tp_zero_size = 1;  // tp_zero_comm (data-parallel group)
   int pipe_rank = 0, pipe_size = 1;        // pipe_comm (pipe_rank = stage id)
   int zero_level = 3;
+  bool sequence_parallel = true;
   uint64_t seed = 0;
   Backend backend = Backend::kGloo;
   std::chrono::milliseconds timeout{0};

@@ -6,6 +6,7 @@
 
 #include "bmt/block.h"
 #include "bmt/core/error.h"
+#include "bmt/distributed.h"
 #include "bmt/init.h"
 #include "bmt/param_registry.h"
 #include "bmt/tensor_adapter.h"
@@ -66,6 +67,7 @@ struct GatherParamFn : torch::autograd::Function<GatherParamFn> {
     at::Tensor mine = at::empty({part}, flat.options());
     comm.reduce_scatter(flat.data_ptr(), mine.data_ptr(), part, to_core_dtype(acc), core::ReduceOp::kSum,
                         current_stream_handle(flat));
+    reduce_over_tp(mine, m.tp_grad_reduce);
     at::Tensor g = ensure_main_grad(param);
     if (g.numel() > 0) g.add_(mine.narrow(0, 0, g.numel()));
     return {at::Tensor()};
@@ -91,6 +93,35 @@ InitMethod xavier_normal() {
 }
 }  // namespace init
 
+void reduce_over_tp(at::Tensor& grad_shard, TpGradReduce reduce) {
+  if (reduce == TpGradReduce::kNone || !is_initialized() || config().tp_size == 1) return;
+  core::Communicator& tp = *config().tp_comm;
+  const core::ReduceOp op = reduce == TpGradReduce::kSum ? core::ReduceOp::kSum : core::ReduceOp::kAvg;
+  tp.all_reduce(grad_shard.data_ptr(), grad_shard.data_ptr(), grad_shard.numel(),
+                to_core_dtype(grad_shard.scalar_type()), op, current_stream_handle(grad_shard));
+}
+
+const char* tp_grad_reduce_name(TpGradReduce r) {
+  switch (r) {
+    case TpGradReduce::kNone: return "none";
+    case TpGradReduce::kSum: return "sum";
+    case TpGradReduce::kAvg: return "avg";
+  }
+  return "?";
+}
+
+std::vector<int64_t> ParamMeta::logical_shape() const {
+  std::vector<int64_t> s = full_shape;
+  if (is_tp_split()) s[static_cast<size_t>(tp_split_dim)] *= tp_size;
+  return s;
+}
+
+int replication_of(const ParamMeta& m) {
+  const Config& cfg = config();
+  const int stage_copies = std::max(1, cfg.zero_size / m.comm->size());
+  return m.is_tp_split() ? std::max(1, stage_copies / m.tp_size) : stage_copies;
+}
+
 at::Tensor DistributedParameter(at::IntArrayRef full_shape, at::ScalarType dtype, InitMethod init_method,
                                 bool requires_grad, std::shared_ptr<core::Communicator> comm) {
   const Config& cfg = config();
@@ -102,15 +133,54 @@ at::Tensor DistributedParameter(at::IntArrayRef full_shape, at::ScalarType dtype
     m->full_numel *= d;
   }
   m->dtype = dtype;
-  m->comm = comm ? std::move(comm) : cfg.zero_comm;
+  m->comm = comm ? std::move(comm) : cfg.tp_zero_comm;
   const int64_t part = partition_numel(m->full_numel, m->comm->size());
   m->shard_begin = std::min(m->full_numel, part * m->comm->rank());
   m->shard_end = std::min(m->full_numel, m->shard_begin + part);
   m->init_method = std::move(init_method);
+  // Replicated over the tp group when the sharding group does not span it.
+  if (cfg.tp_size > 1 && m->comm->size() * cfg.tp_size <= cfg.zero_size)
+    m->tp_grad_reduce = cfg.sequence_parallel ? TpGradReduce::kSum : TpGradReduce::kAvg;
   at::Tensor t = make_shard(*m, requires_grad);
-  set_replication(t, cfg.world_size / m->comm->size());
+  set_replication(t, replication_of(*m));
   register_meta(t, std::move(m));
   return t;
+}
+
+at::Tensor TensorParallelParameter(at::IntArrayRef logical_shape, int split_dim, at::ScalarType dtype,
+                                   InitMethod init_method, bool requires_grad, const std::string& who) {
+  const Config& cfg = config();
+  const std::string name = who.empty() ? std::string("TensorParallelParameter") : who;
+  BMT_CHECK(split_dim >= 0 && split_dim < static_cast<int>(logical_shape.size()), name, ": split dimension ",
+            split_dim, " is out of range for shape ", logical_shape);
+  const int64_t n = logical_shape[static_cast<size_t>(split_dim)];
+  BMT_CHECK(n % cfg.tp_size == 0, name, " (rank ", cfg.rank, "): dimension ", split_dim, " of shape ",
+            logical_shape, " has size ", n, ", which tp_size ", cfg.tp_size, " does not divide; choose a tp_size "
+            "that divides it (or pad the size)");
+  std::vector<int64_t> piece = logical_shape.vec();
+  piece[static_cast<size_t>(split_dim)] = n / cfg.tp_size;
+  at::Tensor t = DistributedParameter(piece, dtype, std::move(init_method), requires_grad, cfg.tp_zero_comm);
+  ParamMeta& m = meta_of(t);
+  m.tp_split_dim = split_dim;
+  m.tp_size = cfg.tp_size;
+  m.tp_rank = cfg.tp_rank;
+  m.tp_grad_reduce = TpGradReduce::kNone;
+  set_replication(t, replication_of(m));
+  return t;
+}
+
+void set_tp_grad_reduce(const at::Tensor& param, TpGradReduce reduce) {
+  ParamMeta& m = meta_of(param);
+  BMT_CHECK(m.block == nullptr, "set_tp_grad_reduce: the parameter of shape ", at::IntArrayRef(m.full_shape),
+            " is already inside a Block; set it before wrapping the module");
+  if (m.is_tp_split() || m.tp_grad_reduce == TpGradReduce::kNone) return;
+  BMT_CHECK(reduce != TpGradReduce::kNone, "set_tp_grad_reduce: a tp-replicated parameter needs kSum or kAvg");
+  m.tp_grad_reduce = reduce;
+}
+
+void set_tp_grad_reduce(torch::nn::Module& module, TpGradReduce reduce) {
+  for (auto& item : module.named_parameters(true))
+    if (is_distributed_param(item.value())) set_tp_grad_reduce(item.value(), reduce);
 }
 
 at::Tensor DistributedParameter(const at::Tensor& full, bool requires_grad, std::shared_ptr<core::Communicator> comm) {
@@ -165,15 +235,35 @@ void scatter_full(const at::Tensor& param, const at::Tensor& full) {
     param.copy_(full.reshape({-1}).narrow(0, m.shard_begin, m.shard_end - m.shard_begin));
 }
 
+at::Tensor gather_logical(const at::Tensor& param) {
+  ParamMeta& m = meta_of(param);
+  at::Tensor piece = gather_full(param);
+  if (!m.is_tp_split()) return piece;
+  at::NoGradGuard guard;
+  at::Tensor all = distributed::raw_all_gather(piece.contiguous(), *config().tp_comm);  // (tp, *piece)
+  return at::cat(all.unbind(0), m.tp_split_dim);
+}
+
+void scatter_logical(const at::Tensor& param, const at::Tensor& logical) {
+  ParamMeta& m = meta_of(param);
+  const std::vector<int64_t> want = m.logical_shape();
+  BMT_CHECK(logical.sizes().vec() == want, "scatter_logical: value has shape ", logical.sizes(),
+            " but the parameter's logical shape is ", at::IntArrayRef(want));
+  if (!m.is_tp_split()) return scatter_full(param, logical);
+  const int64_t n = m.full_shape[static_cast<size_t>(m.tp_split_dim)];
+  scatter_full(param, logical.narrow(m.tp_split_dim, n * m.tp_rank, n).contiguous());
+}
+
 void init_parameters(torch::nn::Module& module) {
   at::NoGradGuard guard;
   for (auto& item : module.named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
     ParamMeta* m = find_meta(p);
     if (!m || !m->init_method) continue;
-    at::Tensor full = at::empty(m->full_shape, at::TensorOptions().dtype(m->dtype).device(config().device));
+    // The whole logical tensor on every rank, so the random stream matches the unsplit model's.
+    at::Tensor full = at::empty(m->logical_shape(), at::TensorOptions().dtype(m->dtype).device(config().device));
     m->init_method(full);
-    scatter_full(p, full);
+    scatter_logical(p, full);
   }
   seed_per_data_parallel_rank();
 }

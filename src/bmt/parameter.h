@@ -8,6 +8,14 @@
 //
 // Metadata lives in a registry keyed by the tensor's TensorImpl, so ordinary torch::nn::Module code can hold
 // and register these tensors like any parameter.
+//
+// Tensor parallelism (tp_size > 1): a TP-split parameter (TensorParallelParameter) has a logical shape that is
+// cut along `tp_split_dim` into tp_size equal pieces; tp rank r owns piece r, and `full_shape` is the piece's
+// shape. The piece is ZeRO-sharded over config().tp_zero_comm (the data-parallel group). A parameter that is not
+// split is replicated over the tp group (one copy per tp rank, each ZeRO-sharded over tp_zero_comm); after its
+// gradient is reduce-scattered, the gradient shard is all-reduced over config().tp_comm (tp_grad_reduce: kSum when
+// each tp rank computed a partial gradient, as under sequence parallelism; kAvg when each computed the whole,
+// identical gradient, as with replicated activations), so the copies never diverge.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,6 +23,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "bmt/core/communicator.h"
@@ -35,8 +44,11 @@ InitMethod ones();
 InitMethod xavier_normal();
 }  // namespace init
 
+enum class TpGradReduce { kNone, kSum, kAvg };
+const char* tp_grad_reduce_name(TpGradReduce r);
+
 struct ParamMeta {
-  std::vector<int64_t> full_shape;
+  std::vector<int64_t> full_shape;  // this tp rank's piece (the logical shape unless TP-split)
   int64_t full_numel = 0;
   at::ScalarType dtype = at::kFloat;
   std::shared_ptr<core::Communicator> comm;  // the group the parameter is sharded over
@@ -44,17 +56,38 @@ struct ParamMeta {
   int64_t shard_end = 0;
   InitMethod init_method;
   int tp_split_dim = -1;  // tensor parallelism: dim along which the logical tensor is split (-1: not split)
-  int tp_size = 1;
+  int tp_size = 1;        // number of pieces (config().tp_size for split parameters, else 1)
+  int tp_rank = 0;        // the piece held here
+  TpGradReduce tp_grad_reduce = TpGradReduce::kNone;  // replicated over tp > 1: how gradient copies combine
   Block* block = nullptr;  // the Block owning this parameter's storage, if any
+
+  bool is_tp_split() const { return tp_split_dim >= 0 && tp_size > 1; }
+  // full_shape with the split dimension multiplied back by tp_size.
+  std::vector<int64_t> logical_shape() const;
 };
 
 // Creates a sharded parameter of `full_shape` on the configured device (only the shard is allocated).
-// Default communicator: config().zero_comm. requires_grad defaults to true.
+// Default communicator: config().tp_zero_comm (= the stage's zero_comm when tp_size == 1); with tp_size > 1 the
+// parameter is replicated over the tp group, its tp_grad_reduce defaulting to config().sequence_parallel ? kSum :
+// kAvg. requires_grad defaults to true.
 at::Tensor DistributedParameter(at::IntArrayRef full_shape, at::ScalarType dtype, InitMethod init_method,
                                 bool requires_grad = true, std::shared_ptr<core::Communicator> comm = nullptr);
 // Shards an existing full tensor (every rank must pass the same values).
 at::Tensor DistributedParameter(const at::Tensor& full, bool requires_grad = true,
                                 std::shared_ptr<core::Communicator> comm = nullptr);
+
+// A tensor-parallel parameter: `logical_shape` is split along `split_dim` over config().tp_comm (the size must be
+// divisible by tp_size; `who` names the layer in the error), and this rank's piece is ZeRO-sharded over
+// tp_zero_comm. init_method receives the whole logical tensor (identical on every rank), so initialisation equals
+// the unsplit model's.
+at::Tensor TensorParallelParameter(at::IntArrayRef logical_shape, int split_dim, at::ScalarType dtype,
+                                   InitMethod init_method, bool requires_grad = true, const std::string& who = "");
+
+// Sets how the gradient copies of a tp-replicated parameter combine (no effect on TP-split parameters or when
+// tp_size == 1). Call before the parameter's module is wrapped in a Block.
+void set_tp_grad_reduce(const at::Tensor& param, TpGradReduce reduce);
+// The same for every replicated DistributedParameter of `module` (recursively).
+void set_tp_grad_reduce(torch::nn::Module& module, TpGradReduce reduce);
 
 bool is_distributed_param(const at::Tensor& param);
 // Throws when `param` is not a DistributedParameter.
@@ -69,6 +102,16 @@ at::Tensor gathered(const at::Tensor& param);
 at::Tensor gather_full(const at::Tensor& param);
 // Copies this rank's slice of `full` (full_shape, any device/dtype) into the parameter.
 void scatter_full(const at::Tensor& param, const at::Tensor& full);
+// The whole logical tensor: gather_full, then (TP-split parameters) all-gathered over config().tp_comm and
+// concatenated along the split dimension — a collective over the tp group.
+at::Tensor gather_logical(const at::Tensor& param);
+// Writes this rank's part of the logical tensor (logical_shape) into the parameter (no communication).
+void scatter_logical(const at::Tensor& param, const at::Tensor& logical);
+// Internal (Blocks, gathered()): all-reduces a reduced gradient shard over config().tp_comm as `reduce` says, on
+// the tensor's current stream (no-op for kNone or tp_size 1).
+void reduce_over_tp(at::Tensor& grad_shard, TpGradReduce reduce);
+// Ranks of the world holding an identical copy of this parameter's local elements (see param_registry.h).
+int replication_of(const ParamMeta& m);
 
 // Initialises every DistributedParameter of `module` (recursively, in named_parameters order) with its
 // init_method applied to a full-size tensor generated on this rank, keeping only the local shard, so the

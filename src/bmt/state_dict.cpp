@@ -12,7 +12,7 @@ StateDict state_dict(torch::nn::Module& module, bool to_cpu) {
   StateDict out;
   at::NoGradGuard guard;
   for (auto& item : module.named_parameters(true)) {
-    at::Tensor v = is_distributed_param(item.value()) ? gather_full(item.value()) : item.value().detach().clone();
+    at::Tensor v = is_distributed_param(item.value()) ? gather_logical(item.value()) : item.value().detach().clone();
     out[item.key()] = to_cpu ? v.to(at::kCPU) : v;
   }
   for (auto& item : module.named_buffers(true)) out[item.key()] = to_cpu ? item.value().to(at::kCPU) : item.value().clone();
@@ -33,7 +33,7 @@ LoadResult load_state_dict(torch::nn::Module& module, const StateDict& state, bo
     }
     const at::Tensor& value = it->second;
     ParamMeta* m = find_meta(kv.second);
-    std::vector<int64_t> want = m ? m->full_shape : kv.second.sizes().vec();
+    std::vector<int64_t> want = m ? m->logical_shape() : kv.second.sizes().vec();
     at::ScalarType want_dtype = m ? m->dtype : kv.second.scalar_type();
     if (value.sizes().vec() != want || value.scalar_type() != want_dtype) {
       std::ostringstream os;
@@ -67,7 +67,7 @@ LoadResult load_state_dict(torch::nn::Module& module, const StateDict& state, bo
     auto it = state.find(kv.first);
     if (it == state.end()) continue;
     if (is_distributed_param(kv.second))
-      scatter_full(kv.second, it->second.to(kv.second.device()));
+      scatter_logical(kv.second, it->second.to(kv.second.device()));
     else
       kv.second.copy_(it->second);
   }

@@ -1,0 +1,111 @@
+#include "bmt/nn/parallel_layers.h"
+
+#include <ostream>
+
+#include "bmt/core/error.h"
+#include "bmt/init.h"
+#include "bmt/nn/tp_ops.h"
+
+namespace bmt::nn {
+namespace {
+
+void check_divisible(const char* layer, const char* what, int64_t n) {
+  const Config& cfg = config();
+  BMT_CHECK(n > 0, layer, ": ", what, " must be positive, got ", n);
+  BMT_CHECK(n % cfg.tp_size == 0, layer, " (rank ", cfg.rank, "): ", what, " = ", n, " is not divisible by tp_size ",
+            cfg.tp_size, "; choose a tp_size that divides it");
+}
+
+}  // namespace
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, bool with_bias, at::ScalarType dtype,
+                                                   bool gather_out, bool gather_in, InitMethod weight_init)
+    : in_features(in), out_features(out), gather_output(gather_out), gather_input(gather_in) {
+  BMT_CHECK(in > 0, "nn::ColumnParallelLinear: in_features must be positive, got ", in);
+  check_divisible("nn::ColumnParallelLinear", "out_features", out);
+  out_features_per_partition = out / config().tp_size;
+  weight = register_parameter("weight", TensorParallelParameter({out, in}, 0, dtype, std::move(weight_init), true,
+                                                                "nn::ColumnParallelLinear weight"));
+  if (with_bias)
+    bias = register_parameter("bias", TensorParallelParameter({out}, 0, dtype, init::zeros(), true,
+                                                              "nn::ColumnParallelLinear bias"));
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor input = gather_input ? tp::gather_rows(x) : tp::copy_to_tp(x);
+  at::Tensor y = at::linear(input, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor());
+  return gather_output ? tp::gather_last_dim(y) : y;
+}
+
+void ColumnParallelLinearImpl::pretty_print(std::ostream& os) const {
+  os << "bmt::nn::ColumnParallelLinear(in_features=" << in_features << ", out_features=" << out_features
+     << ", out_features_per_partition=" << out_features_per_partition << ", bias=" << bias.defined()
+     << ", gather_input=" << gather_input << ", gather_output=" << gather_output << ")";
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, bool with_bias, at::ScalarType dtype,
+                                             bool split_in, bool all_reduce_out, InitMethod weight_init)
+    : in_features(in), out_features(out), split_input(split_in), all_reduce_output(all_reduce_out) {
+  check_divisible("nn::RowParallelLinear", "in_features", in);
+  BMT_CHECK(out > 0, "nn::RowParallelLinear: out_features must be positive, got ", out);
+  in_features_per_partition = in / config().tp_size;
+  weight = register_parameter("weight", TensorParallelParameter({out, in}, 1, dtype, std::move(weight_init), true,
+                                                                "nn::RowParallelLinear weight"));
+  if (with_bias) {
+    bias = register_parameter("bias", DistributedParameter({out}, dtype, init::zeros()));
+    // Added after the reduction: identical gradients with an all-reduced output, partial ones (each rank's rows)
+    // with a reduce-scattered output (BMTrain reduced neither over tp, so its copies drifted apart).
+    set_tp_grad_reduce(bias, all_reduce_output ? TpGradReduce::kAvg : TpGradReduce::kSum);
+  }
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor input = split_input ? tp::split_last_dim(x) : x;
+  BMT_CHECK(input.dim() >= 1 && input.size(-1) == in_features_per_partition, "nn::RowParallelLinear (rank ",
+            config().rank, "): input has ", input.size(-1), " features, expected in_features / tp_size = ",
+            in_features_per_partition, split_input ? "" : " (pass split_input=true for inputs with all features)");
+  at::Tensor y = at::linear(input, gathered(weight));
+  y = all_reduce_output ? tp::reduce_from_tp(y) : tp::reduce_scatter_rows(y);
+  return bias.defined() ? y + gathered(bias) : y;
+}
+
+void RowParallelLinearImpl::pretty_print(std::ostream& os) const {
+  os << "bmt::nn::RowParallelLinear(in_features=" << in_features << ", out_features=" << out_features
+     << ", in_features_per_partition=" << in_features_per_partition << ", bias=" << bias.defined()
+     << ", split_input=" << split_input << ", all_reduce_output=" << all_reduce_output << ")";
+}
+
+VPEmbeddingImpl::VPEmbeddingImpl(int64_t vocab, int64_t dim, at::ScalarType dtype, InitMethod weight_init,
+                                 std::optional<bool> seq_parallel)
+    : vocab_size(vocab), embedding_size(dim), sequence_parallel(seq_parallel.value_or(config().sequence_parallel)) {
+  check_divisible("nn::VPEmbedding", "vocab_size", vocab);
+  BMT_CHECK(dim > 0, "nn::VPEmbedding: embedding_size must be positive, got ", dim);
+  vocab_per_partition = vocab / config().tp_size;
+  vocab_begin = vocab_per_partition * config().tp_rank;
+  weight = register_parameter("weight", TensorParallelParameter({vocab, dim}, 0, dtype, std::move(weight_init), true,
+                                                                "nn::VPEmbedding weight"));
+}
+
+at::Tensor VPEmbeddingImpl::forward(const at::Tensor& ids) {
+  at::Tensor w = gathered(weight);
+  if (config().tp_size == 1) return at::embedding(w, ids);
+  // Ids outside this rank's range look up row 0 and are zeroed; the sum over tp ranks restores every row, and
+  // the backward gives each rank the gradient of every token that hit its range (also other ranks' rows).
+  at::Tensor local = ids - vocab_begin;
+  at::Tensor mine = (local >= 0).logical_and(local < vocab_per_partition);
+  at::Tensor rows = at::embedding(w, local.masked_fill(mine.logical_not(), 0));
+  rows = rows * mine.unsqueeze(-1).to(rows.scalar_type());
+  return sequence_parallel ? tp::reduce_scatter_rows(rows) : tp::reduce_from_tp(rows);
+}
+
+at::Tensor VPEmbeddingImpl::projection(const at::Tensor& x, const at::Tensor& gathered_weight) {
+  at::Tensor input = sequence_parallel ? tp::gather_rows(x) : tp::copy_to_tp(x);
+  return at::linear(input, gathered_weight.defined() ? gathered_weight : gathered(weight));
+}
+
+void VPEmbeddingImpl::pretty_print(std::ostream& os) const {
+  os << "bmt::nn::VPEmbedding(vocab_size=" << vocab_size << ", embedding_size=" << embedding_size
+     << ", vocab_per_partition=" << vocab_per_partition << ", sequence_parallel=" << sequence_parallel << ")";
+}
+
+}  // namespace bmt::nn

@@ -1,0 +1,73 @@
+// Tensor-parallel layers (BMTrain's bmt.nn names and options) over the tp group of init_distributed(tp_size).
+// Weights are TensorParallelParameters (split over tp, each piece ZeRO-sharded over tp_zero_comm), so
+// bmt::state_dict returns the full unsplit tensors under the usual keys; replicated parameters (the row-parallel
+// bias) have their gradients combined over tp (see parameter.h). Layouts and gradient conventions: tp_ops.h.
+//
+//   ColumnParallelLinear  weight (out/tp, in), bias (out/tp).  Input: gather_input = true (BMTrain's default,
+//                         sequence parallel): rows split over tp, all-gathered first; false: replicated input.
+//                         Output: this rank's out/tp features, or all of them (gather_output, replicated).
+//   RowParallelLinear     weight (out, in/tp), bias (out) replicated.  Input: this rank's in/tp features (the
+//                         output of a column-parallel layer), or all features replicated (split_input: keep the
+//                         own slice). Output: reduce-scattered along rows (default, sequence parallel) or
+//                         all-reduced (all_reduce_output, replicated); the bias is added after the reduction.
+//   VPEmbedding           vocabulary-parallel table (vocab/tp, dim). forward(ids): ids replicated over tp, each
+//                         rank looks up its vocabulary range, partial rows combined by reduce-scatter along dim 0
+//                         (sequence_parallel) or all-reduce. projection(x): logits of this rank's vocabulary slice
+//                         (rows, vocab/tp) for the vocab-parallel FusedCrossEntropy; x rows split (sequence
+//                         parallel, all-gathered first) or replicated. Alias: ParallelEmbedding.
+// Sizes that tp_size does not divide are rejected with an error naming the layer and the sizes.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+
+#include "bmt/parameter.h"
+
+namespace bmt::nn {
+
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, bool bias = true,
+                           at::ScalarType dtype = at::kFloat, bool gather_output = false, bool gather_input = true,
+                           InitMethod weight_init = init::normal(0.0, 0.02));
+  at::Tensor forward(const at::Tensor& x);
+  void pretty_print(std::ostream& os) const override;
+  int64_t in_features, out_features, out_features_per_partition;
+  bool gather_output, gather_input;
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  RowParallelLinearImpl(int64_t in_features, int64_t out_features, bool bias = true,
+                        at::ScalarType dtype = at::kFloat, bool split_input = false, bool all_reduce_output = false,
+                        InitMethod weight_init = init::normal(0.0, 0.02));
+  at::Tensor forward(const at::Tensor& x);
+  void pretty_print(std::ostream& os) const override;
+  int64_t in_features, out_features, in_features_per_partition;
+  bool split_input, all_reduce_output;
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(RowParallelLinear);
+
+class VPEmbeddingImpl : public torch::nn::Module {
+ public:
+  // sequence_parallel defaults to config().sequence_parallel.
+  VPEmbeddingImpl(int64_t vocab_size, int64_t embedding_size, at::ScalarType dtype = at::kFloat,
+                  InitMethod weight_init = init::normal(0.0, 0.02), std::optional<bool> sequence_parallel = {});
+  at::Tensor forward(const at::Tensor& ids);
+  // Logits of this rank's vocabulary slice, reusing an already gathered weight when given.
+  at::Tensor projection(const at::Tensor& x, const at::Tensor& gathered_weight = {});
+  void pretty_print(std::ostream& os) const override;
+  int64_t vocab_size, embedding_size, vocab_per_partition, vocab_begin;
+  bool sequence_parallel;
+  at::Tensor weight;  // (vocab/tp, embedding_size)
+};
+TORCH_MODULE(VPEmbedding);
+using ParallelEmbedding = VPEmbedding;
+using ParallelEmbeddingImpl = VPEmbeddingImpl;
+
+}  // namespace bmt::nn
