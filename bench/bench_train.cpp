@@ -466,6 +466,8 @@ int run(const Args& a) {
               static_cast<long>(a.warmup), t_warmup, loss_first, loss_last);
   const double early_per_step = static_cast<double>(*r.early_started) / static_cast<double>(a.warmup + a.steps);
   if (a.offload) std::printf("; %.1f Blocks per step updated during the backward", early_per_step);
+  std::printf("\nlosses:");
+  for (const at::Tensor& l : losses) std::printf(" %.4f", l.item<double>());
   std::printf("\n");
   std::printf("RESULT framework=%s config=\"%s\" tokens_per_s=%.0f step_s=%.4f (median %.4f, min %.4f, max %.4f) "
               "mfu=%s peak_gpu_gib=%s (reserved %s) host_peak_gib=%.2f\n",

@@ -452,7 +452,10 @@ at::Tensor Block::gather_param_copy(const at::Tensor& param) {
     gather_buffers();
     auto calc = compute_stream();
     Group& g = *groups_[s->group];
-    if (g.ready && calc) g.ready->block(*calc);
+    if (g.ready && calc) {
+      g.ready->block(*calc);
+      g.full.record_stream(*calc);  // release() below must not let the allocator reuse it before the clone ran
+    }
     at::Tensor copy = g.full.narrow(0, s->offset, s->numel).view(s->shape).clone();
     if (!had) release();
     return copy;

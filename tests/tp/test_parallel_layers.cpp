@@ -10,6 +10,7 @@
 #include "bmt/nn/layers.h"
 #include "bmt/nn/parallel_layers.h"
 #include "bmt/nn/tp_ops.h"
+#include "bmt/optim/grad_utils.h"
 #include "run_ranks.h"
 #include "tp_test_util.h"
 
@@ -184,8 +185,20 @@ void block_mlp_case(bool sp) {
   expect_close(y, sp ? rows_chunk(yd) : yd, what + " output");
   (y * (sp ? rows_chunk(g) : g)).sum().backward();
   expect_close(xin.grad(), sp ? rows_chunk(xd.grad()) : xd.grad(), what + " input grad");
-  for (auto& kv : mlp->named_parameters())
+  std::vector<at::Tensor> params;
+  double dense_sq = 0, dense_max = 0;
+  for (auto& kv : mlp->named_parameters()) {
     expect_close(logical_grad(kv.value()), c.tp_zero_size * p[kv.key()].grad(), what + " grad of " + kv.key());
+    params.push_back(kv.value());
+    at::Tensor gd = c.tp_zero_size * p[kv.key()].grad().to(at::kDouble);
+    dense_sq += gd.pow(2).sum().item<double>();
+    dense_max = std::max(dense_max, gd.abs().max().item<double>());
+  }
+  // Global norms over the world count every element once: TP pieces once, tp-replicated copies once.
+  const double norm2 = bmt::optim::global_grad_norm(params, 2.0, c.comm.get());
+  EXPECT_NEAR(norm2, std::sqrt(dense_sq), 1e-5 * std::sqrt(dense_sq)) << what << " 2-norm";
+  const double norm_inf = bmt::optim::global_grad_norm(params, INFINITY, c.comm.get());
+  EXPECT_NEAR(norm_inf, dense_max, 1e-5 * dense_max) << what << " inf-norm";
 }
 
 TEST(ParallelLayers, BlockDp2Tp2Megatron) { run_ranks(4, [] { block_mlp_case(false); }, tp_init(2, false)); }
