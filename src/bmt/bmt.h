@@ -6,6 +6,7 @@
 #include "bmt/distributed.h"
 #include "bmt/init.h"
 #include "bmt/memory_stats.h"
+#include "bmt/loss/fused_cross_entropy.h"
 #include "bmt/nn/layers.h"
 #include "bmt/nn/parallel_layers.h"
 #include "bmt/nn/tp_ops.h"
