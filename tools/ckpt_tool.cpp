@@ -2,7 +2,8 @@
 //   bmt-ckpt info <ckpt-dir> [--entries]       summary (version, world size, step, metadata, files, entries)
 //   bmt-ckpt verify <ckpt-dir>                 reads every shard file completely and checks every checksum
 //   bmt-ckpt export <ckpt-dir> <out.safetensors|out.pt> [--prefix P] [--chunk-mib N]
-//                                              consolidated file with the unwrapped model's keys
+//                                              consolidated file with the unwrapped model's keys and LOGICAL
+//                                              tensors (TP-split parameters reassembled from their tp pieces)
 // Exit status: 0 on success, 1 on a checkpoint problem (message on stderr), 2 on bad usage.
 #include <cstdlib>
 #include <iostream>

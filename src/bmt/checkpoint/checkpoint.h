@@ -7,6 +7,7 @@
 //   checkpoint_reader.h   CheckpointReader: reading a sharded checkpoint in one process
 //   export.h              export_consolidated / describe_checkpoint (what the bmt-ckpt tool runs)
 //   tensor_file.h         the consolidated file readers and writers
+//   tp_layout.h           how TP-split parameters are stored (stacked tp pieces) and re-cut for another tp size
 #pragma once
 
 #include "bmt/checkpoint/checkpoint_reader.h"
@@ -15,3 +16,4 @@
 #include "bmt/checkpoint/sharded_checkpoint.h"
 #include "bmt/checkpoint/sharded_state.h"
 #include "bmt/checkpoint/tensor_file.h"
+#include "bmt/checkpoint/tp_layout.h"

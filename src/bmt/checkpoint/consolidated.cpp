@@ -10,6 +10,7 @@
 #include "bmt/checkpoint/slice_plan.h"
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
+#include "bmt/checkpoint/tp_layout.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
 
@@ -27,8 +28,8 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 
 void check_topology(const char* op) {
   const Config& cfg = config();
-  BMT_CHECK(cfg.pipe_size == 1 && cfg.tp_size == 1, op, ": consolidated files need pipe_size == tp_size == 1 (got ",
-            cfg.pipe_size, ", ", cfg.tp_size, "); use bmt::checkpoint::save and bmt-ckpt export instead");
+  BMT_CHECK(cfg.pipe_size == 1, op, ": consolidated files need pipe_size == 1 (got ", cfg.pipe_size,
+            "); use bmt::checkpoint::save and bmt-ckpt export instead");
 }
 
 int64_t chunk_numel_for(const std::string& dtype, int64_t chunk_nbytes) {
@@ -55,39 +56,73 @@ ConsolidatedStats save(torch::nn::Module& model, const std::string& path, const 
   for (const auto& s : checkpoint::detail::all_gather_strings(comm, encode_decls(decls))) all.push_back(decode_decls(s));
   const std::vector<PlannedEntry> plan = plan_pieces(all);
 
+  std::vector<TpLayout> layouts;
+  for (const PlannedEntry& e : plan) layouts.push_back(entry_tp_layout(e.info.key, e.info.shape, e.info.attrs));
+
   ConsolidatedStats stats;
   std::unique_ptr<TensorFileWriter> writer;
   std::string rank0_error;
   if (rank == 0) {
     std::vector<TensorInfo> infos;
-    for (const PlannedEntry& e : plan) infos.push_back(TensorInfo{e.info.key, e.info.dtype, e.info.shape});
+    for (size_t i = 0; i < plan.size(); ++i)
+      infos.push_back(TensorInfo{plan[i].info.key, plan[i].info.dtype, layouts[i].logical_shape});
     rank0_error = capture_error([&] { writer = create_tensor_file(path, infos, options.metadata); });
   }
-  at::Tensor buf;
-  for (const PlannedEntry& e : plan) {
+  // Elements [a, b) of entry e's flattened (stored) tensor into dst (bytes, rank 0), each from its owner.
+  auto fetch = [&](const PlannedEntry& e, int64_t a, int64_t b, at::Tensor dst) {
+    const int64_t elem = dtype_element_nbytes(e.info.dtype);
+    for (const PlannedPiece& p : e.pieces) {
+      const int64_t lo = std::max(a, p.begin), hi = std::min(b, p.end);
+      if (lo >= hi || (rank != 0 && rank != p.rank)) continue;
+      if (rank == 0 && p.rank == 0) {
+        const LocalSlice& s = *by_key.at(e.info.key);
+        dst.narrow(0, (lo - a) * elem, (hi - lo) * elem).copy_(byte_view(s.data, lo - s.decl.begin, hi - s.decl.begin));
+      } else if (rank == 0) {
+        at::Tensor part = dst.narrow(0, (lo - a) * elem, (hi - lo) * elem);
+        checkpoint::detail::recv_tensor_bytes(comm, part, p.rank);
+      } else {
+        const LocalSlice& s = *by_key.at(e.info.key);
+        checkpoint::detail::send_tensor_bytes(comm, byte_view(s.data, lo - s.decl.begin, hi - s.decl.begin), 0);
+      }
+    }
+  };
+  auto append = [&](const at::Tensor& bytes, int64_t held) {
+    stats.rank0_peak_nbytes = std::max(stats.rank0_peak_nbytes, held);
+    stats.file_nbytes += bytes.numel();
+    if (rank0_error.empty()) rank0_error = capture_error([&] { writer->append(bytes.data_ptr(), bytes.numel()); });
+  };
+  const auto bytes = at::TensorOptions().dtype(at::kByte);
+  for (size_t ei = 0; ei < plan.size(); ++ei) {
+    const PlannedEntry& e = plan[ei];
+    const TpLayout& L = layouts[ei];
     const int64_t elem = dtype_element_nbytes(e.info.dtype), step = chunk_numel_for(e.info.dtype, options.chunk_nbytes);
-    for (int64_t a = 0; a < e.numel; a += step) {
-      const int64_t b = std::min(e.numel, a + step);
-      if (rank == 0) buf = at::empty({(b - a) * elem}, at::TensorOptions().dtype(at::kByte));
-      for (const PlannedPiece& p : e.pieces) {
-        const int64_t lo = std::max(a, p.begin), hi = std::min(b, p.end);
-        if (lo >= hi || (rank != 0 && rank != p.rank)) continue;
-        if (rank == 0 && p.rank == 0) {
-          const LocalSlice& s = *by_key.at(e.info.key);
-          buf.narrow(0, (lo - a) * elem, (hi - lo) * elem).copy_(byte_view(s.data, lo - s.decl.begin, hi - s.decl.begin));
-        } else if (rank == 0) {
-          at::Tensor dst = buf.narrow(0, (lo - a) * elem, (hi - lo) * elem);
-          checkpoint::detail::recv_tensor_bytes(comm, dst, p.rank);
-        } else {
-          const LocalSlice& s = *by_key.at(e.info.key);
-          checkpoint::detail::send_tensor_bytes(comm, byte_view(s.data, lo - s.decl.begin, hi - s.decl.begin), 0);
-        }
+    if (!L.is_split() || L.split_dim == 0) {
+      // The stored order is the logical order (split along dim 0: the pieces follow each other).
+      for (int64_t a = 0; a < e.numel; a += step) {
+        const int64_t b = std::min(e.numel, a + step);
+        at::Tensor buf = rank == 0 ? at::empty({(b - a) * elem}, bytes) : at::Tensor();
+        fetch(e, a, b, buf);
+        if (rank == 0) append(buf, buf.numel());
       }
-      if (rank == 0) {
-        stats.rank0_peak_nbytes = std::max(stats.rank0_peak_nbytes, buf.numel());
-        stats.file_nbytes += buf.numel();
-        if (rank0_error.empty()) rank0_error = capture_error([&] { writer->append(buf.data_ptr(), buf.numel()); });
+      continue;
+    }
+    // Split along a later dim: whole logical rows per chunk, each assembled from the same rows of every piece.
+    const std::vector<int64_t> piece = L.piece_shape();
+    const int64_t pn = L.piece_numel(), prow = piece.empty() || piece[0] == 0 ? 0 : pn / piece[0];
+    const int64_t rows = L.logical_shape[0], rows_per_chunk = std::max<int64_t>(1, step / std::max<int64_t>(1, prow * L.tp_size));
+    const at::ScalarType dtype = scalar_type_of(e.info.dtype);
+    for (int64_t ra = 0; ra < rows && prow > 0; ra += rows_per_chunk) {
+      const int64_t rb = std::min(rows, ra + rows_per_chunk);
+      std::vector<at::Tensor> bufs(static_cast<size_t>(L.tp_size));
+      for (int j = 0; j < L.tp_size; ++j) {
+        if (rank == 0) bufs[static_cast<size_t>(j)] = at::empty({(rb - ra) * prow * elem}, bytes);
+        fetch(e, j * pn + ra * prow, j * pn + rb * prow, bufs[static_cast<size_t>(j)]);
       }
+      if (rank != 0) continue;
+      at::Tensor out = logical_rows(L, ra, rb, dtype, [&](int j, int64_t a, int64_t b) {
+        return bufs[static_cast<size_t>(j)].view(dtype).narrow(0, a - ra * prow, b - a);
+      });
+      append(out.contiguous().view(at::kByte), 2 * (rb - ra) * prow * L.tp_size * elem);
     }
   }
   if (rank == 0) {
@@ -140,12 +175,16 @@ LoadResult load(torch::nn::Module& model, const std::string& path, bool strict, 
       continue;
     }
     const SliceDecl& f = file_index[it->second];
-    if (f.dtype != t.dtype || f.shape != t.shape) {
+    const ParamRange& r = t.range;
+    if (f.dtype != t.dtype || f.shape != r.layout.logical_shape) {
       mismatched.push_back(t.key + ": file has " + f.dtype + " " + shape_string(f.shape) + ", model has " + t.dtype +
-                           " " + shape_string(t.shape));
+                           " " + r.layout.describe());
       continue;
     }
-    needs.push_back(SliceDecl{t.key, t.dtype, t.shape, {}, t.begin, t.end});
+    // A TP-split piece: the logical rows its shard touches (re-cut locally below).
+    const auto span = r.layout.is_split() ? logical_span(r.layout, r.tp_rank, r.piece_begin(), r.piece_end())
+                                          : std::make_pair(r.begin, r.end);
+    needs.push_back(SliceDecl{t.key, t.dtype, f.shape, {}, span.first, span.second});
   }
   for (const SliceDecl& f : file_index)
     if (!target_of.count(f.key)) result.unexpected_keys.push_back(f.key);
@@ -165,6 +204,8 @@ LoadResult load(torch::nn::Module& model, const std::string& path, bool strict, 
   }
   checkpoint::detail::raise_if_any_failed(comm, err, what);
 
+  std::unordered_map<std::string, size_t> need_of;
+  for (size_t i = 0; i < needs.size(); ++i) need_of[needs[i].key] = i;
   // Who needs which range of which tensor.
   std::vector<std::vector<SliceDecl>> all_needs;
   for (const auto& s : checkpoint::detail::all_gather_strings(comm, encode_decls(needs))) all_needs.push_back(decode_decls(s));
@@ -181,13 +222,17 @@ LoadResult load(torch::nn::Module& model, const std::string& path, bool strict, 
     const int64_t step = chunk_numel_for(f.dtype, options.chunk_nbytes);
     // My destination: the target itself when contiguous, else a staging tensor copied at the end.
     at::Tensor dst, flat;
+    const ParamRange* split = nullptr;
     int64_t my_begin = 0, my_end = 0;
-    if (auto it = target_of.find(f.key); it != target_of.end() && file_pos.count(f.key)) {
-      const LoadTarget& t = targets[it->second];
+    if (auto nit = need_of.find(f.key); nit != need_of.end()) {
+      const SliceDecl& d = needs[nit->second];
+      const LoadTarget& t = targets[target_of.at(f.key)];
       dst = t.dst;
-      my_begin = t.begin;
-      my_end = t.end;
-      flat = dst.is_contiguous() ? dst.view({-1}) : at::empty({my_end - my_begin}, dst.options());
+      my_begin = d.begin;
+      my_end = d.end;
+      if (t.range.layout.is_split()) split = &t.range;
+      flat = dst.is_contiguous() && !split ? dst.view({-1})
+                                           : at::empty({my_end - my_begin}, dst.options().device(at::kCPU));
     }
     for (int64_t a = 0; a < numel; a += step) {
       const int64_t b = std::min(numel, a + step);
@@ -219,7 +264,15 @@ LoadResult load(torch::nn::Module& model, const std::string& path, bool strict, 
         }
       }
     }
-    if (dst.defined() && !dst.is_contiguous()) dst.copy_(flat.view(dst.sizes()));
+    if (split) {
+      at::Tensor v = assemble_piece_range(unsplit_layout(f.shape), split->layout, split->tp_rank, split->piece_begin(),
+                                          split->piece_end(), dst.scalar_type(), [&](int, int64_t a, int64_t b) {
+                                            return flat.narrow(0, a - my_begin, b - a);
+                                          });
+      dst.copy_(v.view(dst.sizes()));
+    } else if (dst.defined() && !dst.is_contiguous()) {
+      dst.copy_(flat.view(dst.sizes()));
+    }
     if (rank == 0) reader->release(ti);
   }
   checkpoint::detail::raise_if_any_failed(comm, local_error, what);

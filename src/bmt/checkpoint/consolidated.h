@@ -1,6 +1,6 @@
 // bmt::save(model, path) / bmt::load(model, path): one consolidated file with the unwrapped model's keys (the
 // keys bmt::state_dict gives, full unsharded tensors, parameter dtypes), as .safetensors or .pt (tensor_file.h).
-// Collective over bmt::config().comm (pipe_size == tp_size == 1).
+// Collective over bmt::config().comm (pipe_size == 1; any tp_size: the file always holds LOGICAL tensors).
 //
 // Streaming bounds:
 //  * save: rank 0 assembles each tensor chunk by chunk (at most chunk_nbytes) from its own shard and the shards
@@ -10,6 +10,12 @@
 //    hold nothing beyond their shards.
 //  * load: rank 0 reads every needed tensor once, chunk by chunk, and sends each rank only the elements of its
 //    shard (replicated tensors: the whole tensor). No rank ever holds a full model.
+// Tensor parallelism (tp_size > 1): a TP-split parameter's pieces are written as the logical tensor. Split along
+//  dim 0 the pieces are consecutive in logical order and stream like any tensor; split along a later dim, rank 0
+//  streams chunks of whole logical rows, each assembled from the same rows of every tp piece (received from their
+//  owners), so it holds about twice a chunk (at least one logical row per chunk) — never the whole parameter.
+//  Load: each rank receives the logical rows its piece's shard touches (about tp_size x its shard) and cuts its
+//  elements out of them locally (the slicing scatter_logical does, without materialising the logical tensor).
 // Errors (missing file, corrupted header, missing / unexpected keys, shape or dtype mismatches) are listed
 // together and raised on every rank; a failed save leaves `path` untouched (written to a temporary file first).
 #pragma once

@@ -6,7 +6,9 @@
 
 #include "bmt/checkpoint/checkpoint_reader.h"
 #include "bmt/checkpoint/crc32.h"
+#include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
+#include "bmt/checkpoint/tp_layout.h"
 #include "bmt/core/error.h"
 
 namespace bmt::checkpoint {
@@ -17,19 +19,42 @@ ExportStats export_consolidated(const std::string& checkpoint_dir, const std::st
   CheckpointReader reader(checkpoint_dir);
   std::vector<const EntryMeta*> chosen;
   std::vector<TensorInfo> infos;
+  std::vector<TpLayout> layouts;
   for (const EntryMeta& e : reader.metadata().entries) {
     if (e.key.rfind(prefix, 0) != 0) continue;
     chosen.push_back(&e);
-    infos.push_back(TensorInfo{e.key.substr(prefix.size()), e.dtype, e.shape});
+    layouts.push_back(entry_tp_layout(e.key, e.shape, e.attrs));
+    infos.push_back(TensorInfo{e.key.substr(prefix.size()), e.dtype, layouts.back().logical_shape});
   }
   BMT_CHECK(!chosen.empty(), "export: checkpoint ", reader.path(), " has no entries under \"", prefix, "\"");
   std::map<std::string, std::string> meta = {{"format", "pt"}, {"step", std::to_string(reader.metadata().step)}};
   std::unique_ptr<TensorFileWriter> writer = create_tensor_file(out_path, infos, meta);
   ExportStats stats;
   std::vector<char> buf;
-  for (const EntryMeta* e : chosen) {
+  for (size_t ci = 0; ci < chosen.size(); ++ci) {
+    const EntryMeta* e = chosen[ci];
+    const TpLayout& L = layouts[ci];
     const int64_t elem = dtype_element_nbytes(e->dtype), numel = checked_numel(e->shape, e->key);
     const int64_t step = std::max<int64_t>(1, chunk_nbytes / elem);
+    if (L.is_split() && L.split_dim > 0) {
+      // Whole logical rows per chunk, each from the same rows of every tp piece.
+      const std::vector<int64_t> piece = L.piece_shape();
+      const int64_t pn = L.piece_numel(), prow = piece[0] == 0 ? 0 : pn / piece[0];
+      const int64_t rows = L.logical_shape[0], per = std::max<int64_t>(1, step / std::max<int64_t>(1, prow * L.tp_size));
+      const at::ScalarType dtype = scalar_type_of(e->dtype);
+      for (int64_t ra = 0; ra < rows && prow > 0; ra += per) {
+        const int64_t rb = std::min(rows, ra + per);
+        at::Tensor out = logical_rows(L, ra, rb, dtype, [&](int j, int64_t a, int64_t b) {
+          return reader.read(*e, j * pn + a, j * pn + b);
+        }).contiguous();
+        const int64_t n = out.numel() * elem;
+        writer->append(out.data_ptr(), n);
+        stats.nbytes += n;
+        stats.peak_buffer_nbytes = std::max(stats.peak_buffer_nbytes, 2 * n);
+      }
+      ++stats.num_tensors;
+      continue;
+    }
     for (int64_t a = 0; a < numel; a += step) {
       const int64_t b = std::min(numel, a + step);
       buf.resize(static_cast<size_t>((b - a) * elem));
@@ -72,7 +97,15 @@ std::string describe_checkpoint(const std::string& checkpoint_dir, bool entries)
     os << "  " << g.first << ": " << g.second.first << " tensors, " << g.second.second << " bytes\n";
   if (entries) {
     for (const auto& e : m.entries) {
-      os << "  " << e.key << "  " << e.dtype << " " << shape_string(e.shape) << "  pieces:";
+      os << "  " << e.key << "  " << e.dtype << " " << shape_string(e.shape);
+      if (e.attrs.count("tp_split_dim")) {
+        try {
+          os << "  tp pieces of " << entry_tp_layout(e.key, e.shape, e.attrs).describe();
+        } catch (const std::exception& ex) {
+          os << "  (bad tp attributes: " << ex.what() << ")";
+        }
+      }
+      os << "  pieces:";
       for (const auto& p : e.pieces)
         os << " [" << p.elem_begin << "," << p.elem_end << ")@" << m.files[static_cast<size_t>(p.file)].name << "+"
            << p.byte_offset;

@@ -4,6 +4,9 @@
 // export_consolidated assembles each full tensor from its pieces chunk by chunk (every byte checksum-verified) and
 // streams it into a .safetensors or .pt file (tensor_file.h) under the unwrapped model's keys, so the result equals
 // what bmt::save would have written at save time. Peak memory: one chunk (+ the largest tensor for .pt).
+// Entries of TP-split parameters (stacked tp pieces, tp_layout.h) are written as LOGICAL tensors: split along dim 0
+// they stream unchanged; split along a later dim, each chunk of whole logical rows is assembled from the same rows
+// of every piece (peak about twice a chunk, at least one logical row).
 #pragma once
 
 #include <cstdint>

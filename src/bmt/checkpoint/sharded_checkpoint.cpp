@@ -202,9 +202,8 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
         const EntryMeta* e = reader->find(t.key);
         if (!e) {
           info.missing_keys.push_back(t.key.substr(6));
-        } else if (e->dtype != t.dtype || e->shape != t.shape) {
-          errors.push_back(t.key.substr(6) + ": checkpoint has " + e->dtype + " " + shape_string(e->shape) +
-                           ", model has " + t.dtype + " " + shape_string(t.shape));
+        } else if (std::string m = entry_mismatch(*e, t.dtype, t.range); !m.empty()) {
+          errors.push_back(t.key.substr(6) + ": " + m);
         } else {
           model_work.emplace_back(std::move(t), e);
         }
@@ -246,14 +245,18 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
   err = detail::capture_error([&] {
     at::NoGradGuard no_grad;
     for (auto& [t, e] : model_work) {
-      at::Tensor v = reader->read(*e, t.begin, t.end);
+      at::Tensor v = read_param_range(*reader, *e, t.range);
       t.dst.copy_(v.view(t.dst.sizes()));
     }
     for (size_t i = 0; i < state.components.size(); ++i) state.components[i].second->load_state_dict(component_sds[i]);
     if (options.rng && reader->metadata().world_size == world) {
+      // Generator states belong to a rank's role: restored only when the tp size is unchanged too.
+      const std::string tp = std::to_string(cfg.tp_size);
       info.rng_restored = restore_rng(rank, [&](const std::string& key) {
         const EntryMeta* e = reader->find(key);
-        return e ? reader->read_full(*e) : at::Tensor();
+        if (!e) return at::Tensor();
+        auto it = e->attrs.find("tp_size");
+        return (it == e->attrs.end() ? std::string("1") : it->second) == tp ? reader->read_full(*e) : at::Tensor();
       }) > 0;
     }
   });

@@ -19,7 +19,13 @@
 // problem of every rank together in one error before changing anything; then reads only the byte ranges that
 // overlap its current shards (any world size, ZeRO level or Block layout; rounded out to the enclosing checksum
 // blocks, 1 MiB by default, so that every byte used is verified) and restores the RNG states when the
-// world size is unchanged. Errors during reading (checksum mismatch naming the file, missing or truncated files)
+// world size and tp size are unchanged.
+// Tensor parallelism: model keys are the unwrapped model's with LOGICAL shapes (mismatches list logical shapes). A
+// TP-split parameter and its optimizer states are stored as the stacked tp pieces (tp_layout.h), so at the same
+// tp size each rank reads one contiguous range; at another tp size (or into an unsplit model, tp 1) each rank
+// rebuilds the rows of its new piece that its shard touches from the overlapping saved pieces, one parameter at a
+// time. Replicated parameters keep the plain layout, so checkpoints of dp-only models are unchanged and load at
+// any tp size. Errors during reading (checksum mismatch naming the file, missing or truncated files)
 // are agreed on, so every rank throws the same message.
 #pragma once
 
@@ -95,7 +101,7 @@ void wait_pending_save();
 
 struct LoadOptions {
   bool strict = true;  // missing or unexpected model keys are errors
-  bool rng = true;     // restore RNG states (only when the world size is unchanged)
+  bool rng = true;     // restore RNG states (only when the world size and tp size are unchanged)
 };
 
 struct LoadInfo {

@@ -140,6 +140,7 @@ std::vector<LocalSlice> provider_slices(const std::string& C, const ShardedState
       s.decl.dtype = dtype_name(t.scalar_type());
       s.decl.shape = r.full_shape;
       attrs["role"] = "shard";
+      add_tp_attrs(r.layout, attrs);
       s.decl.attrs = std::move(attrs);
       s.decl.begin = r.begin;
       s.decl.end = r.end;
@@ -215,12 +216,13 @@ optim::StateDict provider_state_from(const std::string& C, const ShardedStatePro
           continue;
         }
         ParamRange r = param_range(p, pname);
-        if (e.shape != r.full_shape) {
-          errors.push_back(C + ": " + attr("name") + " of " + pname + " has shape " + shape_string(e.shape) +
-                           " in the checkpoint, the parameter has " + shape_string(r.full_shape) + " (a different model?)");
+        const TpLayout saved = entry_tp_layout(e.key, e.shape, e.attrs);
+        if (saved.logical_shape != r.layout.logical_shape) {
+          errors.push_back(C + ": " + attr("name") + " of " + pname + " has shape " + saved.describe() +
+                           " in the checkpoint, the parameter has " + r.layout.describe() + " (a different model?)");
           continue;
         }
-        sd[out_key] = reader.read(e, r.begin, r.end).view(p.sizes());
+        sd[out_key] = read_param_range(reader, e, r).view(p.sizes());
       } else {
         errors.push_back(C + ": entry " + e.key + " has unknown role \"" + role + "\"");
       }

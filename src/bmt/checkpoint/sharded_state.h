@@ -6,7 +6,8 @@
 //   P + "state.<i>.<name>"  a tensor with the LOCAL shape of params[i] (e.g. exp_avg, exp_avg_sq, master) is a
 //                           shard aligned with the parameter's local shard: it is saved with the parameter's global
 //                           shape and element range, and on load re-cut for the new sharding (any world size, ZeRO
-//                           level, Block or not);
+//                           level, Block or not; for a TP-split parameter the stacked-pieces layout of tp_layout.h,
+//                           re-cut for another tp size like the parameter);
 //   P + "state.<i>.<name>"  any other tensor (e.g. the 0-dim "step") is a per-parameter value, saved once;
 //   P + "param.<i>.shape"   the local shape of params[i]; not saved, regenerated on load;
 // every other key is global (the same on every rank; rank 0's value is saved). In the checkpoint, per-parameter

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "bmt/core/error.h"
+#include "bmt/init.h"
 #include "bmt/parameter.h"
 
 namespace bmt::checkpoint {
@@ -50,19 +51,44 @@ std::unordered_map<const void*, std::string> param_names(torch::nn::Module& mode
 ParamRange param_range(const at::Tensor& p, const std::string& name) {
   ParamRange r;
   if (const ParamMeta* m = find_meta(p)) {
-    BMT_CHECK(m->tp_size <= 1 || m->tp_split_dim < 0, "checkpoint: parameter ", name, " is split for tensor "
-              "parallelism (tp_size ", m->tp_size, "); tensor-parallel checkpoints are not supported yet");
-    r.full_shape = m->full_shape;
-    r.begin = m->shard_begin;
-    r.end = m->shard_end;
-    BMT_ASSERT(p.numel() == r.end - r.begin, "parameter ", name, " holds ", p.numel(), " elements, its shard range is [",
-               r.begin, ", ", r.end, ")");
+    BMT_ASSERT(p.numel() == m->shard_end - m->shard_begin, "parameter ", name, " holds ", p.numel(),
+               " elements, its shard range is [", m->shard_begin, ", ", m->shard_end, ")");
+    r.layout.logical_shape = m->logical_shape();
+    int64_t base = 0;
+    if (m->is_tp_split()) {
+      r.layout.split_dim = m->tp_split_dim;
+      r.layout.tp_size = m->tp_size;
+      r.tp_rank = m->tp_rank;
+      BMT_ASSERT(r.layout.piece_shape() == m->full_shape, "parameter ", name, ": piece shape ",
+                 shape_string(m->full_shape), " is not a tp piece of ", r.layout.describe());
+      base = r.tp_rank * m->full_numel;
+    }
+    r.full_shape = r.layout.stored_shape();
+    r.begin = base + m->shard_begin;
+    r.end = base + m->shard_end;
   } else {
-    r.full_shape = p.sizes().vec();
+    r.layout = unsplit_layout(p.sizes().vec());
+    r.full_shape = r.layout.logical_shape;
     r.begin = 0;
     r.end = p.numel();
   }
   return r;
+}
+
+at::Tensor read_param_range(CheckpointReader& reader, const EntryMeta& e, const ParamRange& r) {
+  const TpLayout src = entry_tp_layout(e.key, e.shape, e.attrs);
+  BMT_CHECK(src.logical_shape == r.layout.logical_shape, "checkpoint entry ", e.key, " has logical shape ",
+            src.describe(), ", the target has ", r.layout.describe());
+  if (src == r.layout) return reader.read(e, r.begin, r.end);
+  const int64_t pn = src.piece_numel();
+  return assemble_piece_range(src, r.layout, r.tp_rank, r.piece_begin(), r.piece_end(), scalar_type_of(e.dtype),
+                              [&](int j, int64_t a, int64_t b) { return reader.read(e, j * pn + a, j * pn + b); });
+}
+
+std::string entry_mismatch(const EntryMeta& e, const std::string& dtype, const ParamRange& r) {
+  const TpLayout src = entry_tp_layout(e.key, e.shape, e.attrs);
+  if (e.dtype == dtype && src.logical_shape == r.layout.logical_shape) return "";
+  return "checkpoint has " + e.dtype + " " + src.describe() + ", model has " + dtype + " " + r.layout.describe();
 }
 
 namespace {
@@ -84,6 +110,7 @@ std::vector<LocalSlice> model_slices(torch::nn::Module& model, const std::string
     s.decl.dtype = dtype_name(t.scalar_type());
     s.decl.shape = r.full_shape;
     s.decl.attrs = {{"role", "model"}, {"kind", kind}};
+    add_tp_attrs(r.layout, s.decl.attrs);
     s.decl.begin = r.begin;
     s.decl.end = r.end;
     s.data = t.detach();
@@ -95,8 +122,7 @@ std::vector<LocalSlice> model_slices(torch::nn::Module& model, const std::string
 std::vector<LoadTarget> model_targets(torch::nn::Module& model, const std::string& prefix) {
   std::vector<LoadTarget> out;
   for_each_model_tensor(model, [&](const std::string& name, const at::Tensor& t, const char*) {
-    ParamRange r = param_range(t, name);
-    out.push_back(LoadTarget{prefix + name, dtype_name(t.scalar_type()), r.full_shape, r.begin, r.end, t.detach()});
+    out.push_back(LoadTarget{prefix + name, dtype_name(t.scalar_type()), param_range(t, name), t.detach()});
   });
   return out;
 }
@@ -115,6 +141,7 @@ LocalSlice rng_slice(int rank, const std::string& device, at::Tensor state) {
   s.decl.dtype = "U8";
   s.decl.shape = {s.data.numel()};
   s.decl.attrs = {{"role", "rng"}, {"rank", std::to_string(rank)}, {"device", device}};
+  if (is_initialized() && config().tp_size > 1) s.decl.attrs["tp_size"] = std::to_string(config().tp_size);
   s.decl.begin = 0;
   s.decl.end = s.data.numel();
   return s;

@@ -54,7 +54,7 @@ OptimManager::OptimManager(const OptimManagerOptions& options) : options_(option
               o.max_loss_scale, "]");
     loss_scale_ = o.loss_scale;
   }
-  grad_scale_ = o.grad_scale > 0 ? o.grad_scale : (is_initialized() ? static_cast<double>(config().zero_size) : 1.0);
+  grad_scale_ = o.grad_scale > 0 ? o.grad_scale : (is_initialized() ? static_cast<double>(config().tp_zero_size) : 1.0);
 }
 
 void OptimManager::add_optimizer(std::shared_ptr<torch::optim::Optimizer> optimizer,

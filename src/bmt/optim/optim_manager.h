@@ -10,9 +10,10 @@
 //    by the factor, never above max_loss_scale. Scale changes are printed once (rank 0). A factor < 1 is inverted.
 //  * bmtrain optimizers (BmtOptimizer) receive step(loss_scale) and unscale inside their kernel; torch optimizers
 //    get their gradients divided by the scale first.
-//  * grad_scale: 0 (default) = BMTrain's default, bmt::config().zero_size (world / pipe_size; the data-parallel
-//    size when tp_size == 1) after init_distributed, 1 before it. With per-rank mean losses and gradients summed
-//    over ranks this makes the effective gradient the data-parallel mean; pass 1 to keep sums.
+//  * grad_scale: 0 (default) = the data-parallel size, bmt::config().tp_zero_size (world / (tp * pipe)), after
+//    init_distributed, 1 before it. With per-rank mean losses and gradients summed over data-parallel ranks this
+//    makes the effective gradient the data-parallel mean; pass 1 to keep sums. (BMTrain divides by world / pipe,
+//    which under tensor parallelism also divides by tp although the tp ranks share one loss.)
 //
 // clip_grad_norm(max_norm, norm_type): the global norm (2-norm or inf-norm; any p >= 1) of all gradients of all
 // added optimizers' parameters across ranks (global_grad_norm: replication-aware, one all_reduce), in unscaled
@@ -47,7 +48,7 @@ struct OptimManagerOptions {
   int64_t loss_scale_steps = 1024;
   double min_loss_scale = 1;
   double max_loss_scale = std::numeric_limits<double>::infinity();
-  double grad_scale = 0;  // 0: bmt::config().zero_size (BMTrain's default), 1 before init_distributed
+  double grad_scale = 0;  // 0: bmt::config().tp_zero_size (data-parallel size), 1 before init_distributed
 };
 
 class OptimManager {
