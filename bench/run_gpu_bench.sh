@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # run_gpu_bench.sh [BUILD_DIR]: training throughput side by side on one GPU — bmtrain (bmt-bench-train
 # --framework bmt), the same GPT in plain LibTorch (--framework plain) and PyTorch FSDP2 (bench/fsdp2_gpt.py) —
-# then one table against peers.md's figures and the targets. See BENCHMARKS.md.
+# then one table against peers.md's figures and the targets; last, checkpoint I/O of gpt-1.3b (bmt-bench-ckpt,
+# run id ckptio_1p3b; BENCH_CKPT=0 drops it). See BENCHMARKS.md.
 #
 #   BUILD_DIR            the CMake build holding bench/bmt-bench-train (default build-gpu; built here when missing)
 #   BENCH_BUDGET_S=480   wall-clock budget: each run's timeout is cut to what is left; runs start only while
@@ -17,6 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-gpu}
 BIN=$BUILD/bench/bmt-bench-train
+CKPT_BIN=$BUILD/bench/bmt-bench-ckpt
 BUDGET=${BENCH_BUDGET_S:-480}
 ONLY=${BENCH_ONLY:-}
 SMOKE=${BENCH_SMOKE:-0}
@@ -38,11 +40,12 @@ else RESULTS=bench/results/$(date -u +%Y-%m-%d)-$BMT_BENCH_MACHINE.jsonl; mkdir 
 : > "$LOGDIR/status.tsv"
 echo "[bench] machine $BMT_BENCH_MACHINE (${gpu_name:-no GPU}), commit $BMT_GIT_COMMIT, budget ${BUDGET}s, logs $LOGDIR"
 
-if [ ! -x "$BIN" ] && [ -f "$BUILD/build.ninja" ]; then
-  echo "[bench] building bmt-bench-train in $BUILD"
-  ninja -C "$BUILD" bmt-bench-train > "$LOGDIR/build.log" 2>&1 || tail -20 "$LOGDIR/build.log"
+if { [ ! -x "$BIN" ] || [ ! -x "$CKPT_BIN" ]; } && [ -f "$BUILD/build.ninja" ]; then
+  echo "[bench] building bmt-bench-train and bmt-bench-ckpt in $BUILD"
+  ninja -C "$BUILD" bmt-bench-train bmt-bench-ckpt > "$LOGDIR/build.log" 2>&1 || tail -20 "$LOGDIR/build.log"
 fi
 [ -x "$BIN" ] || echo "[bench] WARNING: $BIN missing: the bmt and plain runs will fail"
+[ -x "$CKPT_BIN" ] || echo "[bench] WARNING: $CKPT_BIN missing: the checkpoint run will fail"
 
 n=0
 # run ID TIMEOUT_S COMMAND... : one benchmark process; its JSON line goes to $LOGDIR/ID.json.
@@ -113,6 +116,12 @@ for c in "${CONFIGS[@]}"; do
     run "$id" "$limit" "$BIN" --framework bmt "${flags[@]}"
   fi
 done
+
+# Checkpoint I/O: consolidated .safetensors/.pt, sharded and async saves/loads of gpt-1.3b with its Adam state
+# (its own table in the log; the JSON lines, one per op, go to the results like the others).
+ckpt=(--preset gpt-1.3b --seq 2048 --batch 8 --repeat 2)
+[ "$SMOKE" = 1 ] && ckpt=(--preset tiny --seq 64 --batch 2 --repeat 1 --warmup 1 --steps 2)
+[ "${BENCH_CKPT:-1}" = 1 ] && run ckptio_1p3b 300 "$CKPT_BIN" "${ckpt[@]}"
 
 python3 - "$LOGDIR" "$SMOKE" <<'EOF' | tee "$LOGDIR/table.txt"
 import json, os, sys
@@ -197,6 +206,12 @@ for label, key, ids in ROWS[:3]:
         cmp.append(f"{label.split(' ')[0]}{' ckpt' if 'ckpt' in label else ''}: {b['tokens_per_s'] / max(others):.2f}x")
 if cmp:
     print("bmtrain / fastest of plain,fsdp2 (this run): " + "; ".join(cmp))
+ck_path = os.path.join(logdir, "ckptio_1p3b.json")
+if status.get("ckptio_1p3b") == "ok" and os.path.exists(ck_path):
+    ck = [json.loads(l) for l in open(ck_path) if l.strip()]
+    print(f"checkpoint I/O ({ck[0]['config']}, world {ck[0]['world']}; seconds, GB/s): " + "; ".join(
+        f"{c['op']} {c['seconds']:.2f} {c['gb_per_s']:.2f}" + (f" stall {c['stall_s']:.3f}" if c.get("stall_s") is not None else "")
+        for c in ck))
 print("=" * len(hdr))
 EOF
 echo "[bench] done in $(($(date +%s) - start)) s; JSON lines: $RESULTS${OUT:+ (copied to $LOGDIR)}"
