@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
+
+#include <cmath>
 #include <torch/cuda.h>
 
 #include <string>
@@ -51,7 +53,12 @@ void compare_kernels(const at::Tensor& x_cpu, const at::Tensor& t_cpu, int64_t b
   // max and target logit are exact; the sums agree to fp32 rounding of their magnitude.
   EXPECT_TRUE(at::equal(sg[0], s_cpu[0]));
   EXPECT_TRUE(at::equal(sg[2], s_cpu[2]));
-  EXPECT_TRUE(at::allclose(sg[1], s_cpu[1], 1e-5, 0));
+  // Sums of `cols` fp32 terms in different orders (8 lanes on the CPU, a tree on the GPU) and expf vs std::exp:
+  // rounding grows like sqrt(cols) * eps, so allow 8 * sqrt(cols) * 2^-24 relative.
+  const double sum_rtol = 8.0 * std::sqrt(static_cast<double>(x_cpu.size(1))) * 5.96e-8;
+  EXPECT_TRUE(at::allclose(sg[1], s_cpu[1], sum_rtol, 0))
+      << "max relative diff " << ((sg[1] - s_cpu[1]).abs() / s_cpu[1].abs()).max().item<double>() << ", allowed "
+      << sum_rtol;
   EXPECT_TRUE(at::allclose(sg[3], s_cpu[3], 1e-5, 1e-5 * x_cpu.size(1)))
       << "max diff " << (sg[3] - s_cpu[3]).abs().max().item<float>();
 
