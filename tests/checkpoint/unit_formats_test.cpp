@@ -40,6 +40,17 @@ TEST(Crc32, KnownValueAndStreaming) {
   EXPECT_EQ(crc32(nullptr, 0), 0u);
 }
 
+TEST(Crc32, CombineEqualsTheChecksumOfTheConcatenation) {
+  EXPECT_EQ(crc32_combine(crc32("12345", 5), crc32("6789", 4), 4), 0xCBF43926u);
+  std::string big(70001, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 29 + (i >> 7));
+  for (size_t split : {size_t{0}, size_t{1}, size_t{4096}, size_t{65536}, big.size() - 1, big.size()}) {
+    const uint32_t a = crc32(big.data(), split), b = crc32(big.data() + split, big.size() - split);
+    EXPECT_EQ(crc32_combine(a, b, static_cast<int64_t>(big.size() - split)), crc32(big.data(), big.size()))
+        << "split at " << split;
+  }
+}
+
 TEST(Json, RoundTripAndExactIntegers) {
   const std::string text = R"({"a":[1,-2,4611686018427387904,-9223372036854775808,1.5,true,false,null],"b":{"c":"x\"y\\z\n\u00e9\ud83d\ude00"}})";
   Json j = Json::parse(text, "t");

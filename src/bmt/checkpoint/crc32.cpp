@@ -45,6 +45,44 @@ uint32_t crc32_update(uint32_t crc, const void* data, size_t nbytes) {
   return ~c;
 }
 
+namespace {
+
+// A linear map on 32-bit CRC registers as 32 columns: column k is the image of bit k.
+using Gf2Matrix = std::array<uint32_t, 32>;
+
+uint32_t gf2_apply(const Gf2Matrix& m, uint32_t v) {
+  uint32_t out = 0;
+  for (int k = 0; v != 0; ++k, v >>= 1)
+    if (v & 1u) out ^= m[static_cast<size_t>(k)];
+  return out;
+}
+
+Gf2Matrix compose(const Gf2Matrix& a, const Gf2Matrix& b) {  // a after b
+  Gf2Matrix out{};
+  for (size_t k = 0; k < 32; ++k) out[k] = gf2_apply(a, b[k]);
+  return out;
+}
+
+}  // namespace
+
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, int64_t nbytes_b) {
+  if (nbytes_b <= 0) return crc_a ^ crc_b;
+  // One zero bit through the reflected register: shift right, fold the polynomial in when bit 0 falls out.
+  Gf2Matrix step{};
+  step[0] = 0xEDB88320u;
+  for (size_t k = 1; k < 32; ++k) step[k] = 1u << (k - 1);
+  Gf2Matrix zero_byte = step;
+  for (int i = 0; i < 3; ++i) zero_byte = compose(zero_byte, zero_byte);  // 2^3 = 8 bits
+  // Raw registers (no pre/post inversion) are linear, and the inversions of A's and B's CRCs cancel here.
+  uint32_t reg = crc_a;
+  Gf2Matrix power = zero_byte;
+  for (uint64_t n = static_cast<uint64_t>(nbytes_b); n != 0; n >>= 1) {
+    if (n & 1u) reg = gf2_apply(power, reg);
+    if (n > 1) power = compose(power, power);
+  }
+  return reg ^ crc_b;
+}
+
 std::string crc32_hex(uint32_t crc) {
   static const char* digits = "0123456789abcdef";
   std::string s(8, '0');
