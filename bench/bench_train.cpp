@@ -15,6 +15,8 @@
 // tokens (a few batches generated on the device before timing, cycled). W warm-up steps, then N timed steps, each
 // followed by a device synchronisation and timed with a steady clock.
 //
+// --tp N (bmt, under bmtrun): tensor parallelism over N ranks (examples' sequence-parallel layout, vocab-parallel
+// loss); the N ranks of a tp group share one batch, so tokens per step = B·T·(world / N).
 // Reported: tokens/s = N·B·T / (sum of the timed step times); step_s = mean timed step; MFU = tokens/s ·
 // FLOPs/token / 989e12 (H100/H200 dense bf16 peak; null on CPU) with FLOPs/token = 6·N_matmul + 6·L·d·T, where
 // N_matmul counts every parameter except the learned position table and 6·L·d·T is the causal attention term
@@ -79,6 +81,7 @@ struct Args {
   int64_t steps = 10, warmup = 3;
   bool checkpointing = false, offload = false, raw_step = false, force = false, no_overlap = false;
   int zero = 3;
+  int tp = 1;
   std::string json_path;
   std::string device = "auto";  // plain only
   std::string plain_adamw = "fused";
@@ -93,7 +96,7 @@ const char* kUsage =
     "                       [--plain-adamw fused|torch] [--autocast auto|on|off (plain, bf16)] [--raw-step (bmt)]\n"
     "                       [--no-overlap (offload: update every Block after the backward)]\n"
     "                       [--force (skip the host memory check)]\n"
-    "                       [--seed S]\n";
+    "                       [--seed S] [--tp N (bmt: tensor parallelism; run under bmtrun with N | world)]\n";
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -122,6 +125,7 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--steps") a.steps = to_int(f, need(i));
     else if (f == "--warmup") a.warmup = to_int(f, need(i));
     else if (f == "--zero") a.zero = static_cast<int>(to_int(f, need(i)));
+    else if (f == "--tp") a.tp = static_cast<int>(to_int(f, need(i)));
     else if (f == "--json") a.json_path = need(i);
     else if (f == "--device") a.device = need(i);
     else if (f == "--plain-adamw") a.plain_adamw = need(i);
@@ -143,6 +147,7 @@ Args parse_args(int argc, char** argv) {
   if (a.framework != "bmt" && a.framework != "plain")
     throw std::invalid_argument("--framework must be bmt or plain, got '" + a.framework + "'");
   if (a.zero != 2 && a.zero != 3) throw std::invalid_argument("--zero must be 2 or 3");
+  if (a.tp < 1 || (a.tp > 1 && a.framework != "bmt")) throw std::invalid_argument("--tp N (>= 1) is for --framework bmt");
   if (a.steps < 1 || a.warmup < 0) throw std::invalid_argument("--steps must be >= 1 and --warmup >= 0");
   if (a.seq < 0 || a.batch < 0) throw std::invalid_argument("--seq and --batch must be positive");
   if (a.device != "auto" && a.device != "cpu" && a.device != "cuda")
@@ -251,6 +256,7 @@ int64_t round_pow2(int64_t n) {
 
 // One benchmark: how to run a step, and what to report about the model.
 struct Runner {
+  int data_parallel = 1;  // ranks with distinct batches (world / tp)
   std::function<at::Tensor(const at::Tensor& tokens)> step;  // one optimizer step; returns the detached loss
   c10::Device device{c10::kCPU};
   int64_t num_params = 0, num_matmul_params = 0;
@@ -269,6 +275,7 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   bmt::InitOptions init;
   init.seed = a.seed;
   init.zero_level = a.zero;
+  init.tp_size = a.tp;
   init.quiet = true;
   bmt::init_distributed(init);
   const auto& cfg = bmt::config();
@@ -283,6 +290,7 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   Runner r;
   r.device = cfg.device;
   r.world = cfg.world_size;
+  r.data_parallel = cfg.tp_zero_size;
   r.rank = cfg.rank;
   for (const auto& item : model->named_parameters()) {
     const int64_t n = bmt::meta_of(item.value()).full_numel;
@@ -338,7 +346,8 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   const bool raw = a.raw_step;
   r.step = [model, optimizer, manager, raw](const at::Tensor& tokens) {
     const int64_t T = tokens.size(1) - 1;
-    at::Tensor loss = examples::lm_loss(model->forward(tokens.narrow(1, 0, T)), tokens.narrow(1, 1, T));
+    // model->loss: the vocab-parallel fused cross-entropy under tensor parallelism (no full logits).
+    at::Tensor loss = model->loss(tokens.narrow(1, 0, T), tokens.narrow(1, 1, T));
     if (raw) {
       loss.backward();
       bmt::wait_for_gradient_reduction();
@@ -414,6 +423,7 @@ int run(const Args& a) {
                                  6.0 * static_cast<double>(shape.model.num_layers * shape.model.dim * T);
   std::string config = a.preset + " seq" + std::to_string(T) + " batch" + std::to_string(B);
   if (a.framework == "bmt" && a.zero != 3) config += " zero" + std::to_string(a.zero);
+  if (a.tp > 1) config += " tp" + std::to_string(a.tp);
   if (a.checkpointing) config += " ckpt";
   if (a.offload) config += " offload";
   std::printf("bench_train: %s | %s | %s on %s | %.1fM params (%.1fM matmul), %.3g GFLOP/token | %s | %s\n",
@@ -454,7 +464,8 @@ int run(const Args& a) {
   std::sort(sorted.begin(), sorted.end());
   const double step_s = total / static_cast<double>(times.size());
   const double median_s = sorted[sorted.size() / 2];
-  const double tokens_per_s = static_cast<double>(B * T * r.world) * static_cast<double>(a.steps) / total;
+  // Tensor-parallel ranks share a batch: tokens per step = B * T * data-parallel ranks.
+  const double tokens_per_s = static_cast<double>(B * T * r.data_parallel) * static_cast<double>(a.steps) / total;
   const double mfu = cuda ? tokens_per_s * flops_per_token / (kPeakFlops * r.world) : NAN;
   const GpuMem mem = gpu_memory(r.device);
   const double peak_gib = mem.peak_allocated >= 0 ? gib(static_cast<double>(mem.peak_allocated)) : NAN;
@@ -481,7 +492,7 @@ int run(const Args& a) {
   if (!a.json_path.empty() && r.rank == 0) {
     std::ostringstream j;
     j << "{\"bench\":\"train\",\"config\":" << json_str(config) << ",\"framework\":"
-      << json_str(a.framework == "bmt" ? "bmtrain" : "plain") << ",\"world\":" << r.world
+      << json_str(a.framework == "bmt" ? "bmtrain" : "plain") << ",\"world\":" << r.world << ",\"tp\":" << a.tp
       << ",\"tokens_per_s\":" << json_num(tokens_per_s, 8) << ",\"mfu\":" << json_num(mfu, 5)
       << ",\"peak_gpu_gib\":" << json_num(peak_gib, 5) << ",\"step_s\":" << json_num(step_s, 6)
       << ",\"git_commit\":" << json_str(bench::git_commit()) << ",\"machine\":" << json_str(bench::machine_name())

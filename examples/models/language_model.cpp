@@ -1,7 +1,9 @@
 #include "models/language_model.h"
 
 #include "bmt/core/error.h"
+#include "bmt/distributed.h"
 #include "bmt/init.h"
+#include "bmt/loss/fused_cross_entropy.h"
 #include "bmt/parameter.h"
 #include "models/gpt.h"
 #include "models/llama.h"
@@ -18,6 +20,23 @@ void ModelConfig::validate() const {
   BMT_CHECK(arch != "llama" || head_dim() % 2 == 0, "model: rotary embeddings need an even head_dim, got ", head_dim());
 }
 
+void ModelConfig::validate_tensor_parallel(int tp) const {
+  if (tp <= 1) return;
+  const std::string who = "model " + describe() + " at tp_size " + std::to_string(tp) + ": ";
+  auto check = [&](int64_t n, const char* what, const char* layers) {
+    BMT_CHECK(n % tp == 0, who, what, " = ", n, " is not divisible by tp_size ", tp, " (", layers,
+              " are split over the tp ranks); choose a tp_size that divides it");
+  };
+  const bool gpt = arch == "gpt";
+  check(num_heads, "num_heads", gpt ? "the heads of layers.*.attn.c_attn / attn.c_proj"
+                                    : "the query heads of layers.*.attention.wq / attention.wo");
+  if (!gpt) check(kv_heads(), "num_kv_heads", "the kv heads of layers.*.attention.wk / attention.wv");
+  check(ffn_dim, "ffn_dim", gpt ? "the features of layers.*.mlp.c_fc / mlp.c_proj"
+                                : "the features of layers.*.feed_forward.w1 / w3 / w2");
+  check(vocab_size, "vocab_size", gpt ? "the vocabulary rows of wte (embedding and tied projection)"
+                                      : "the vocabulary rows of tok_embeddings and output");
+}
+
 std::string ModelConfig::describe() const {
   std::string s = arch + " L" + std::to_string(num_layers) + " d" + std::to_string(dim) + " h" +
                   std::to_string(num_heads);
@@ -26,9 +45,101 @@ std::string ModelConfig::describe() const {
          std::to_string(max_seq_len);
 }
 
+namespace {
+
+// Elements of the whole (unsplit) parameter.
+int64_t logical_numel(const at::Tensor& p) {
+  int64_t n = 1;
+  for (int64_t d : bmt::meta_of(p).logical_shape()) n *= d;
+  return n;
+}
+
+int64_t padded_row_count(int64_t rows) {
+  const bmt::Config& cfg = bmt::config();
+  if (cfg.tp_size <= 1 || !cfg.sequence_parallel) return rows;
+  return (rows + cfg.tp_size - 1) / cfg.tp_size * cfg.tp_size;
+}
+
+}  // namespace
+
+TokenRows token_rows(const at::Tensor& ids) {
+  const bmt::Config& cfg = bmt::config();
+  BMT_CHECK(ids.dim() == 2, "model: ids must be (batch, seq), got shape ", ids.sizes());
+  TokenRows r;
+  r.batch = ids.size(0);
+  r.seq = ids.size(1);
+  r.rows = r.batch * r.seq;
+  r.padded_rows = padded_row_count(r.rows);
+  at::Tensor flat = ids.reshape({-1});
+  r.ids = r.padded_rows > r.rows ? at::cat({flat, at::zeros({r.padded_rows - r.rows}, flat.options())}) : flat;
+  const bool split = cfg.tp_size > 1 && cfg.sequence_parallel;
+  const int64_t local = split ? r.padded_rows / cfg.tp_size : r.padded_rows;
+  const int64_t begin = split ? local * cfg.tp_rank : 0;
+  r.positions = at::arange(begin, begin + local, ids.options().dtype(at::kLong)).remainder(std::max<int64_t>(r.seq, 1));
+  r.shape = at::empty({r.batch, r.seq, 0}, ids.options());
+  return r;
+}
+
+void set_replicated_grad_reduce(torch::nn::Module& module) {
+  const bmt::Config& cfg = bmt::config();
+  if (cfg.tp_size <= 1) return;
+  bmt::set_tp_grad_reduce(module, cfg.sequence_parallel ? bmt::TpGradReduce::kSum : bmt::TpGradReduce::kAvg);
+}
+
+at::Tensor rows_to_batch(const at::Tensor& x, const at::Tensor& shape) {
+  const int64_t B = shape.size(0), T = shape.size(1);
+  return x.narrow(0, 0, B * T).reshape({B, T, x.size(-1)});
+}
+
+at::Tensor batch_to_rows(const at::Tensor& x, const at::Tensor& shape) {
+  const int64_t rows = shape.size(0) * shape.size(1), padded = padded_row_count(rows);
+  at::Tensor y = x.reshape({rows, x.size(-1)});
+  return padded > rows ? at::constant_pad_nd(y, {0, 0, 0, padded - rows}) : y;
+}
+
+at::Tensor LanguageModel::tp_forward(const at::Tensor& ids) {
+  TokenRows rows = token_rows(ids);
+  at::Tensor logits = logit_rows(rows);
+  return logits.narrow(0, 0, rows.rows).reshape({rows.batch, rows.seq, logits.size(-1)});
+}
+
+at::Tensor LanguageModel::loss(const at::Tensor& ids, const at::Tensor& targets) {
+  if (bmt::config().tp_size <= 1) return lm_loss(forward(ids), targets);
+  BMT_CHECK(targets.sizes() == ids.sizes(), "model: targets of shape ", targets.sizes(), " for ids of shape ",
+            ids.sizes());
+  TokenRows rows = token_rows(ids);
+  at::Tensor logits = logit_rows(rows);
+  at::Tensor t = targets.reshape({-1}).to(at::kLong);
+  bmt::loss::FusedCrossEntropyOptions o;
+  if (rows.padded_rows > rows.rows)
+    t = at::cat({t, at::full({rows.padded_rows - rows.rows}, o.ignore_index, t.options())});
+  o.parallel = true;
+  return bmt::loss::fused_cross_entropy(logits, t, o);
+}
+
+at::Tensor LanguageModel::argmax_vocab(const at::Tensor& logits) {
+  const bmt::Config& cfg = bmt::config();
+  if (cfg.tp_size <= 1) return logits.argmax(-1);
+  at::NoGradGuard no_grad;
+  auto [values, index] = logits.max(-1);
+  index = index + static_cast<int64_t>(cfg.tp_rank) * logits.size(-1);
+  // (tp, ...): every rank's best; the first rank with the largest value wins (argmax's first-index rule).
+  at::Tensor all_values = bmt::distributed::raw_all_gather(values.to(at::kFloat).contiguous(), *cfg.tp_comm);
+  at::Tensor all_index = bmt::distributed::raw_all_gather(index.contiguous(), *cfg.tp_comm);
+  return all_index.gather(0, all_values.argmax(0, /*keepdim=*/true)).squeeze(0);
+}
+
+at::Tensor LanguageModel::full_vocab_logits(const at::Tensor& logits) {
+  const bmt::Config& cfg = bmt::config();
+  if (cfg.tp_size <= 1) return logits;
+  at::NoGradGuard no_grad;
+  at::Tensor all = bmt::distributed::raw_all_gather(logits.contiguous(), *cfg.tp_comm);  // (tp, ..., V / tp)
+  return at::cat(all.unbind(0), -1);
+}
+
 int64_t LanguageModel::num_params() {
   int64_t n = 0;
-  for (const auto& p : parameters()) n += bmt::meta_of(p).full_numel;
+  for (const auto& p : parameters()) n += logical_numel(p);
   return n;
 }
 
@@ -36,7 +147,7 @@ double LanguageModel::train_flops_per_token(int64_t seq) {
   int64_t matmul_params = 0;
   for (const auto& item : named_parameters()) {
     if (item.key() == "wpe.weight") continue;  // position lookup: no matmul
-    matmul_params += bmt::meta_of(item.value()).full_numel;
+    matmul_params += logical_numel(item.value());
   }
   const ModelConfig& c = config();
   return 6.0 * static_cast<double>(matmul_params) +

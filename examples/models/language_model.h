@@ -4,6 +4,10 @@
 // A model is a torch::nn::Module whose parameters are bmt::DistributedParameters (ZeRO-sharded); every
 // transformer layer is wrapped in a bmt::Block inside a bmt::TransformerBlockList registered as "layers".
 // forward() is collective: every rank of the ZeRO group must call it (with its own batch).
+//
+// Tensor parallelism (bmt::config().tp_size > 1; layout in models/gpt.h): the ranks of one tp group must call
+// every method together with the same ids (they split heads, ff and vocabulary, not the batch); parameter names
+// and state_dict values are those of the tp_size 1 model. At tp_size 1 nothing changes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,6 +34,9 @@ struct ModelConfig {
   int64_t kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
   // Throws bmt::core::Error naming the inconsistent field (dim % heads, heads % kv_heads, positive sizes).
   void validate() const;
+  // Throws bmt::core::Error naming the layer and the sizes when tp_size does not divide the attention heads,
+  // kv heads (llama), ffn_dim or vocab_size.
+  void validate_tensor_parallel(int tp_size) const;
   std::string describe() const;  // "gpt L2 d64 h4 ff256 vocab13 seq64"
 };
 
@@ -38,16 +45,52 @@ struct ParallelOptions {
   bool checkpointing = false;  // recompute each layer's forward in backward
 };
 
+// Tensor parallelism: the batch's tokens as rows (B·T flattened, row = b·T + t). Under sequence parallelism
+// (bmt::config().sequence_parallel, the default) the rows are padded to a multiple of tp_size and tp rank r holds
+// the r-th contiguous chunk of them between tensor-parallel regions; otherwise every rank holds all rows.
+struct TokenRows {
+  int64_t batch = 0, seq = 0;
+  int64_t rows = 0;         // B·T
+  int64_t padded_rows = 0;  // rows rounded up to a multiple of tp_size (sequence parallel), else rows
+  at::Tensor ids;           // (padded_rows,) int64, padding id 0
+  at::Tensor positions;     // (local rows,) int64: position in its sequence of every row this rank holds
+  at::Tensor shape;         // an empty (B, T, 0) tensor: carries B and T through the Blocks without data
+};
+TokenRows token_rows(const at::Tensor& ids);
+// Marks every tp-replicated parameter of `module` (norms, positions, row-parallel biases): gradients summed over
+// tp under sequence parallelism (each rank saw its own rows), averaged with replicated rows. No-op at tp_size 1.
+// Call before the module is wrapped in a Block.
+void set_replicated_grad_reduce(torch::nn::Module& module);
+// Inside a layer: full rows (padded_rows or rows, F) -> (B, T, F) without the padding, and back (zero padding).
+at::Tensor rows_to_batch(const at::Tensor& x, const at::Tensor& shape);
+at::Tensor batch_to_rows(const at::Tensor& x, const at::Tensor& shape);
+
 class LanguageModel : public torch::nn::Module {
  public:
-  // ids (B, T) int64 with T <= max_seq_len -> logits (B, T, vocab) in the parameter dtype.
+  // ids (B, T) int64 with T <= max_seq_len -> logits (B, T, vocab) in the parameter dtype. tp_size > 1: the
+  // logits of this tp rank's vocabulary slice, (B, T, vocab / tp_size) for ids [tp_rank · vocab / tp_size, ...).
   virtual at::Tensor forward(const at::Tensor& ids) = 0;
   virtual const ModelConfig& config() const = 0;
+
+  // Mean next-token cross-entropy in fp32 of targets (B, T) after ids (B, T): lm_loss(forward(ids), targets) at
+  // tp_size 1; the vocabulary-parallel fused cross-entropy at tp_size > 1 (the full logits never exist; the same
+  // value on every tp rank).
+  at::Tensor loss(const at::Tensor& ids, const at::Tensor& targets);
+  // forward()'s logits (..., V or V / tp) -> the argmax over the whole vocabulary (...) int64 (collective over tp).
+  at::Tensor argmax_vocab(const at::Tensor& logits);
+  // forward()'s logits of a few positions (..., V / tp) -> (..., V): all-gathered over tp (identity at tp 1).
+  at::Tensor full_vocab_logits(const at::Tensor& logits);
 
   // Total parameters (full, unsharded) and the parameters whose matmuls run per token (all but positions).
   int64_t num_params();
   // Training FLOPs per token at sequence length seq: 6·N_matmul + 12·L·d·seq (attention scores and mixing).
   double train_flops_per_token(int64_t seq);
+
+ protected:
+  // tp_size > 1: the logits of this tp rank's vocabulary slice for every (padded) row, (padded_rows, vocab / tp).
+  virtual at::Tensor logit_rows(const TokenRows& rows) = 0;
+  // tp_size > 1: forward() from logit_rows.
+  at::Tensor tp_forward(const at::Tensor& ids);
 };
 
 // Builds the model of config.arch with parameters of `dtype` on bmt::config().device (uninitialised: call
@@ -58,7 +101,7 @@ std::shared_ptr<LanguageModel> make_model(const ModelConfig& config, const Paral
 // The parameter dtype for the configured device: bf16 on GPUs, fp32 on CPUs.
 at::ScalarType default_param_dtype();
 
-// Mean next-token cross-entropy in fp32: logits (B, T, V) any dtype, targets (B, T) int64.
+// Mean next-token cross-entropy in fp32: logits (B, T, V) any dtype, targets (B, T) int64 (whole vocabulary).
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
 
 }  // namespace examples

@@ -8,10 +8,17 @@
 // Weights normal(0, 0.02), RMSNorm weights 1. State-dict keys follow Meta's checkpoint names:
 // tok_embeddings.weight, layers.<i>.{attention_norm,attention.{wq,wk,wv,wo},ffn_norm,feed_forward.{w1,w2,w3}}.weight,
 // norm.weight, output.weight.
+//
+// Tensor parallelism (tp_size > 1): the layout of models/gpt.h (sequence parallel by default). wq, wk, wv, w1, w3
+// and output are ColumnParallelLinear, wo and w2 RowParallelLinear, tok_embeddings a VPEmbedding; each rank
+// computes num_heads / tp query heads with their num_kv_heads / tp kv heads (tp must divide both), RoPE on whole
+// sequences after the column-parallel all-gather; the loss is the vocabulary-parallel fused cross-entropy on
+// output's slices. RMSNorm weights are tp-replicated (gradients summed, or averaged without sequence parallelism).
 #pragma once
 
 #include "bmt/block_list.h"
 #include "bmt/nn/layers.h"
+#include "bmt/nn/parallel_layers.h"
 #include "models/language_model.h"
 
 namespace examples {
@@ -19,10 +26,13 @@ namespace examples {
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   LlamaAttentionImpl(const ModelConfig& c, at::ScalarType dtype);
-  at::Tensor forward(const at::Tensor& x);
-  int64_t num_heads, num_kv_heads, head_dim;
+  // shape: TokenRows::shape (tp_size > 1 only; x is then rows (rows, d)).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& shape = {});
+  int64_t num_heads, num_kv_heads, head_dim;  // heads on this rank (divided by tp_size)
   double rope_theta;
-  bmt::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
+  bmt::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};  // tp_size 1
+  bmt::nn::ColumnParallelLinear wq_tp{nullptr}, wk_tp{nullptr}, wv_tp{nullptr};  // tp_size > 1 (same names)
+  bmt::nn::RowParallelLinear wo_tp{nullptr};
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -30,14 +40,17 @@ class LlamaFeedForwardImpl : public torch::nn::Module {
  public:
   LlamaFeedForwardImpl(const ModelConfig& c, at::ScalarType dtype);
   at::Tensor forward(const at::Tensor& x);
-  bmt::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};
+  bmt::nn::Linear w1{nullptr}, w2{nullptr}, w3{nullptr};       // tp_size 1
+  bmt::nn::ColumnParallelLinear w1_tp{nullptr}, w3_tp{nullptr};  // tp_size > 1 (same names)
+  bmt::nn::RowParallelLinear w2_tp{nullptr};
 };
 TORCH_MODULE(LlamaFeedForward);
 
 class LlamaLayerImpl : public torch::nn::Module {
  public:
   LlamaLayerImpl(const ModelConfig& c, at::ScalarType dtype);
-  at::Tensor forward(const at::Tensor& x);
+  // {x} (tp_size 1) or {x rows, TokenRows::shape} (tp_size > 1) -> {output}.
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in);
   bmt::nn::RMSNorm attention_norm{nullptr}, ffn_norm{nullptr};
   LlamaAttention attention{nullptr};
   LlamaFeedForward feed_forward{nullptr};
@@ -50,10 +63,15 @@ class Llama : public LanguageModel {
   at::Tensor forward(const at::Tensor& ids) override;
   const ModelConfig& config() const override { return config_; }
 
-  bmt::nn::Embedding tok_embeddings{nullptr};
+  bmt::nn::Embedding tok_embeddings{nullptr};  // tp_size 1
+  bmt::nn::VPEmbedding tok_embeddings_tp{nullptr};  // tp_size > 1, registered as tok_embeddings
   std::shared_ptr<bmt::TransformerBlockList> layers;
   bmt::nn::RMSNorm norm{nullptr};
-  bmt::nn::Linear output{nullptr};
+  bmt::nn::Linear output{nullptr};                // tp_size 1
+  bmt::nn::ColumnParallelLinear output_tp{nullptr};  // tp_size > 1, registered as output
+
+ protected:
+  at::Tensor logit_rows(const TokenRows& rows) override;
 
  private:
   ModelConfig config_;

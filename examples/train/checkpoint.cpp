@@ -52,6 +52,7 @@ std::string save_checkpoint(const std::string& root, int64_t step, LanguageModel
   bmt::optim::StateDict optim_state = optim.state_dict();
   optim_state["trainer.step"] = bmt::optim::int_entry(step);
   optim_state["trainer.world_size"] = bmt::optim::int_entry(cfg.world_size);
+  optim_state["trainer.tp_size"] = bmt::optim::int_entry(cfg.tp_size);
   save_state_atomic(optim_state, dir + "/optim.rank" + std::to_string(cfg.rank) + ".pt");
   bmt::synchronize();  // every rank's files are in place before `latest` points at them
   if (cfg.rank == 0) write_file_atomic((fs::path(root) / "latest").string(), step_dir_name(step) + "\n");
@@ -76,14 +77,16 @@ std::optional<ResumeInfo> load_checkpoint(const std::string& root, LanguageModel
   bmt::optim::StateDict rank0 = bmt::optim::load_state_dict_file(info.dir + "/optim.rank0.pt");
   info.step = bmt::optim::get_int(rank0, "trainer.step", "checkpoint");
   const int64_t saved_world = bmt::optim::get_int(rank0, "trainer.world_size", "checkpoint");
-  if (saved_world == cfg.world_size) {
+  const int64_t saved_tp = rank0.count("trainer.tp_size") ? bmt::optim::get_int(rank0, "trainer.tp_size", "checkpoint") : 1;
+  if (saved_world == cfg.world_size && saved_tp == cfg.tp_size) {
     bmt::optim::StateDict mine = cfg.rank == 0 ? rank0 : bmt::optim::load_state_dict_file(own);
     mine.erase("trainer.step");
     mine.erase("trainer.world_size");
+    mine.erase("trainer.tp_size");
     optim.load_state_dict(mine);
     info.optimizer_restored = true;
   } else {
-    // Optimizer shards were cut for another world size: restart the moments, keep the LR schedule position.
+    // Optimizer shards were cut for another world or tp size: restart the moments, keep the LR schedule position.
     for (const auto& sched : optim.lr_schedulers())
       if (sched) sched->step(info.step);
   }

@@ -1,9 +1,10 @@
 // Training checkpoints (collective: every rank calls save/load together).
 //
 // Layout under root:
-//   root/step_<8 digits>/model.pt          consolidated model state (bmt::state_dict, full tensors), rank 0
+//   root/step_<8 digits>/model.pt          consolidated model state (bmt::state_dict, full tensors — also with
+//                                          tensor parallelism, so it loads at any tp), rank 0
 //   root/step_<8 digits>/optim.rank<r>.pt  rank r's OptimManager state (its optimizer shard, loss scale, LR
-//                                          schedule) plus trainer.step and trainer.world_size
+//                                          schedule) plus trainer.step, trainer.world_size and trainer.tp_size
 //   root/latest                            the name of the newest complete checkpoint directory
 // Every file is written to "<name>.tmp" and renamed into place, and `latest` is replaced only after every rank
 // has finished writing, so a crash leaves either the previous or the new checkpoint, never a torn one.
@@ -24,7 +25,7 @@ std::string save_checkpoint(const std::string& root, int64_t step, LanguageModel
 
 struct ResumeInfo {
   int64_t step = 0;              // steps already done
-  bool optimizer_restored = false;  // false when the world size changed (shards no longer match)
+  bool optimizer_restored = false;  // false when the world or tp size changed (shards no longer match)
   std::string dir;
 };
 // Loads root/latest; nullopt when there is no checkpoint. Throws bmt::core::Error on a damaged checkpoint.

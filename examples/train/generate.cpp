@@ -18,7 +18,9 @@ std::vector<int64_t> generate(LanguageModel& model, const std::vector<int64_t>& 
     at::Tensor ids = at::tensor(std::vector<int64_t>(context.begin() + begin, context.end()), at::kLong)
                          .unsqueeze(0)
                          .to(bmt::config().device);
-    at::Tensor logits = model.forward(ids).select(1, -1).squeeze(0).to(at::kFloat).cpu();  // (V,)
+    // The last position only; with tensor parallelism its vocabulary slices are all-gathered over tp.
+    at::Tensor logits = model.full_vocab_logits(model.forward(ids).select(1, -1).squeeze(0)).to(at::kFloat).cpu();
+    if (o.vocab_size > 0 && o.vocab_size < logits.size(0)) logits = logits.narrow(0, 0, o.vocab_size);  // (V,)
     int64_t next;
     if (o.top_k <= 0) {
       next = logits.argmax().item<int64_t>();

@@ -1,6 +1,7 @@
 // Text generation without a KV cache (the whole context is re-run for each new token; fine for samples).
 // Collective: every rank must call it with the same arguments; the ranks compute identical tokens (the
-// top-k draw uses a generator seeded with `seed`, identical everywhere).
+// top-k draw uses a generator seeded with `seed`, identical everywhere). With tensor parallelism every rank runs
+// the same forward steps and only the last position's vocabulary slices are all-gathered over tp.
 #pragma once
 
 #include <vector>
@@ -15,6 +16,7 @@ struct GenerateOptions {
   double temperature = 1.0;
   int64_t stop_token = -1;  // stop after emitting it (-1: never)
   uint64_t seed = 0;
+  int64_t vocab_size = 0;   // > 0: only ids below it are generated (the model's vocabulary may be padded for tp)
 };
 
 // Returns only the new tokens. The context is cropped to the model's max_seq_len.

@@ -14,11 +14,15 @@ std::string train_usage() {
   --data PATH         text file (byte-level) or uint16 .bin tokens (llm.c or nanoGPT layout);
                       default: embedded synthetic 2-digit addition with task accuracy
   --data-format F     auto | synthetic | text | bin | llm.c | nanoGPT
-  --steps S --batch B --seq T --lr LR --warmup W   (B: sequences per rank per step; default from the
-                      preset: tiny 64 over all ranks, gpt2-124m 16, gpt-1.3b 8, llama-7b 2 per rank)
+  --steps S --batch B --seq T --lr LR --warmup W   (B: sequences per data-parallel rank per step; default
+                      from the preset: tiny 64 over all, gpt2-124m 16, gpt-1.3b 8, llama-7b 2 per rank)
   --stop-at S         end this run after step S (schedule still spans --steps; resume later with --resume)
   --weight-decay WD --grad-clip C                  (default 0.1, 1.0)
   --zero 2|3          ZeRO level of every transformer block (default 3)
+  --tp N              tensor parallelism (default 1): attention heads (and llama kv heads), ff features and
+                      the vocabulary are split over groups of N consecutive ranks (sequence-parallel layout);
+                      data parallelism over the world / N groups (every rank of a group gets the same batch;
+                      B counts per group). N must divide heads, kv heads and ff (the vocabulary is padded)
   --dtype D           parameter dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
   --checkpointing     recompute each block's forward in backward
   --eval-every K      held-out loss (and task accuracy) every K steps; --eval-batches N
@@ -61,6 +65,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       {"--batch", i64(a.batch)}, {"--seq", i64(a.seq)}, {"--warmup", i64(a.warmup)}, {"--stop-at", i64(a.stop_at)}, {"--lr", f64(a.lr)},
       {"--weight-decay", f64(a.weight_decay)}, {"--grad-clip", f64(a.grad_clip)},
       {"--zero", [&](const std::string& n, const std::string& v) { a.zero = static_cast<int>(to_i64(n, v)); }},
+      {"--tp", [&](const std::string& n, const std::string& v) { a.tp = static_cast<int>(to_i64(n, v)); }},
       {"--eval-every", i64(a.eval_every)}, {"--eval-batches", i64(a.eval_batches)},
       {"--task-rows", i64(a.task_rows)}, {"--save-every", i64(a.save_every)}, {"--save-dir", str(a.save_dir)},
       {"--metrics", str(a.metrics_path)}, {"--progress", str(a.progress)}, {"--log-every", i64(a.log_every)},
@@ -93,6 +98,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
     }
   }
   BMT_CHECK(a.zero == 2 || a.zero == 3, "--zero must be 2 or 3, got ", a.zero);
+  BMT_CHECK(a.tp >= 1, "--tp must be >= 1, got ", a.tp);
   BMT_CHECK(a.dtype == "auto" || a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be auto, fp32 or bf16, got '",
             a.dtype, "'");
   BMT_CHECK(a.model == "gpt" || a.model == "llama", "--model must be gpt or llama, got '", a.model, "'");

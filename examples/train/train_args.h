@@ -19,6 +19,7 @@ struct TrainArgs {
   double weight_decay = 0.1, grad_clip = 1.0;
   std::string dtype = "auto";        // parameter dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
   int zero = 3;
+  int tp = 1;                        // tensor-parallel size (heads, ff and vocabulary split over tp ranks)
   bool checkpointing = false;
   int64_t eval_every = -1, eval_batches = 4, task_rows = 256;
   int64_t save_every = 0;

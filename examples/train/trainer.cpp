@@ -62,23 +62,32 @@ TrainResult run_training(const TrainArgs& args) {
   const bool rank0 = cfg.rank == 0;
   const double t_begin = now_s();
 
+  BMT_CHECK(args.tp == cfg.tp_size, "train: --tp ", args.tp, " but bmtrain was initialised with tp_size ", cfg.tp_size);
+  // Data parallelism is over the tp groups: every rank of a tp group gets the same batch (tp_zero_rank).
+  const int dp = cfg.tp_zero_size, dp_rank = cfg.tp_zero_rank;
   auto data = make_dataset({args.data, args.data_format, args.seed});
   const Preset& preset = find_preset(args.preset);
   ModelConfig mc = preset.model;
   mc.arch = args.model;
   mc.vocab_size = data->vocab_size();
+  if (mc.vocab_size % cfg.tp_size != 0) {  // vocabulary-parallel layers need a multiple of tp (never sampled)
+    mc.vocab_size = (mc.vocab_size + cfg.tp_size - 1) / cfg.tp_size * cfg.tp_size;
+    if (rank0)
+      std::printf("vocabulary padded from %ld to %ld ids for --tp %d\n", static_cast<long>(data->vocab_size()),
+                  static_cast<long>(mc.vocab_size), cfg.tp_size);
+  }
   mc.num_kv_heads = args.kv_heads;
   if (args.seq > 0) mc.max_seq_len = args.seq;
   const int64_t seq = mc.max_seq_len;
   const int64_t steps = args.steps >= 0 ? args.steps : preset.train.steps;
   const int64_t stop = args.stop_at >= 0 ? std::min(args.stop_at, steps) : steps;  // last step of this run
   const int64_t batch = args.batch > 0                ? args.batch
-                        : preset.train.global_batch > 0 ? std::max<int64_t>(1, preset.train.global_batch / cfg.world_size)
+                        : preset.train.global_batch > 0 ? std::max<int64_t>(1, preset.train.global_batch / dp)
                                                         : preset.train.batch_per_rank;
   const double lr = args.lr > 0 ? args.lr : preset.train.lr;
   const int64_t warmup = std::min(steps, args.warmup >= 0 ? args.warmup : preset.train.warmup_steps);
   const int64_t eval_every = args.eval_every > 0 ? args.eval_every : preset.train.eval_every_steps;
-  const int64_t task_rows = (args.task_rows + cfg.world_size - 1) / cfg.world_size * cfg.world_size;
+  const int64_t task_rows = (args.task_rows + dp - 1) / dp * dp;
 
   const at::ScalarType dtype = args.dtype == "fp32" ? at::kFloat : args.dtype == "bf16" ? at::kBFloat16 : default_param_dtype();
   auto model = make_model(mc, {args.zero, args.checkpointing}, dtype);
@@ -86,17 +95,26 @@ TrainResult run_training(const TrainArgs& args) {
   bmt::init_parameters(*model);
   auto optimizer = make_optimizer(*model, lr, args.weight_decay);
   auto scheduler = std::make_shared<bmt::optim::lr_scheduler::Cosine>(optimizer, lr, warmup, std::max<int64_t>(steps, 1));
-  bmt::optim::OptimManager optim;  // no loss scaling: fp32 on CPU, bf16 on GPU
+  // No loss scaling (fp32 on CPU, bf16 on GPU). Gradients are summed over the data-parallel group only (tp ranks
+  // share a batch): grad_scale = its size makes them the mean (the default, zero_size, counts tp ranks too).
+  bmt::optim::OptimManagerOptions optim_options;
+  optim_options.grad_scale = dp;
+  bmt::optim::OptimManager optim(optim_options);
   optim.add_optimizer(optimizer, scheduler);
 
   const double flops_per_token = model->train_flops_per_token(seq);
   if (rank0) {
-    std::printf("model: %s, %.2fM parameters, %s, ZeRO-%d%s, %d rank(s) on %s\ndata: %s\n", mc.describe().c_str(),
+    std::string ranks = std::to_string(cfg.world_size) + " rank(s)";
+    if (cfg.tp_size > 1)
+      ranks += " = dp " + std::to_string(dp) + " x tp " + std::to_string(cfg.tp_size) +
+               (cfg.sequence_parallel ? " (sequence parallel)" : "");
+    std::printf("model: %s, %.2fM parameters, %s, ZeRO-%d%s, %s on %s\ndata: %s\n", mc.describe().c_str(),
                 static_cast<double>(model->num_params()) / 1e6, c10::toString(dtype), args.zero,
-                args.checkpointing ? " + checkpointing" : "", cfg.world_size, cfg.device.str().c_str(),
+                args.checkpointing ? " + checkpointing" : "", ranks.c_str(), cfg.device.str().c_str(),
                 data->describe().c_str());
-    std::printf("train: %ld steps x %ld seqs/rank x %ld tokens, lr %.2e (warm-up %ld, cosine), AdamW wd %.2g, clip %.2g\n",
-                static_cast<long>(steps), static_cast<long>(batch), static_cast<long>(seq), lr,
+    std::printf("train: %ld steps x %ld seqs/%s x %ld tokens, lr %.2e (warm-up %ld, cosine), AdamW wd %.2g, clip %.2g\n",
+                static_cast<long>(steps), static_cast<long>(batch), cfg.tp_size > 1 ? "dp rank" : "rank",
+                static_cast<long>(seq), lr,
                 static_cast<long>(warmup), args.weight_decay, args.grad_clip);
     std::fflush(stdout);
   }
@@ -107,7 +125,7 @@ TrainResult run_training(const TrainArgs& args) {
       result.start_step = info->step;
       if (rank0)
         std::printf("resumed from %s at step %ld%s\n", info->dir.c_str(), static_cast<long>(info->step),
-                    info->optimizer_restored ? "" : " (world size changed: optimizer state restarted)");
+                    info->optimizer_restored ? "" : " (world or tp size changed: optimizer state restarted)");
     } else if (rank0) {
       std::printf("no checkpoint in %s: starting from scratch\n", args.save_dir.c_str());
     }
@@ -140,8 +158,8 @@ TrainResult run_training(const TrainArgs& args) {
   double tokens_done = 0;
   for (int64_t step = result.start_step; step < stop; ++step) {
     const double t0 = now_s();
-    at::Tensor tokens = data->train_batch(step, cfg.rank, batch, seq).to(cfg.device);
-    at::Tensor loss = lm_loss(model->forward(tokens.narrow(1, 0, seq)), tokens.narrow(1, 1, seq));
+    at::Tensor tokens = data->train_batch(step, dp_rank, batch, seq).to(cfg.device);
+    at::Tensor loss = model->loss(tokens.narrow(1, 0, seq), tokens.narrow(1, 1, seq));
     optim.backward(loss);
     const double grad_norm = args.grad_clip > 0 ? optim.clip_grad_norm(args.grad_clip) : 0.0;
     const double step_lr = scheduler->current_lr();
@@ -151,7 +169,7 @@ TrainResult run_training(const TrainArgs& args) {
     const double dt = now_s() - t0;
     if (losses.empty()) result.first_loss = mean_loss;
     losses.push_back(mean_loss);
-    const double step_tokens = static_cast<double>(batch * seq * cfg.world_size);
+    const double step_tokens = static_cast<double>(batch * seq * dp);
     tokens_done += step_tokens;
 
     StepStats st;
@@ -187,6 +205,7 @@ TrainResult run_training(const TrainArgs& args) {
   gen.top_k = args.top_k;
   gen.stop_token = data->stop_token();
   gen.seed = args.seed;
+  gen.vocab_size = data->vocab_size();  // never the ids padded for tp
   std::vector<std::string> prompts = data->sample_prompts();
   for (int64_t i = 0; i < args.samples && i < static_cast<int64_t>(prompts.size()); ++i) {
     const std::string& prompt = prompts[static_cast<size_t>(i)];

@@ -1,8 +1,9 @@
 // run_training: the train_gpt loop (collective: every rank of an initialised bmtrain job calls it).
 //
-// Per step: this rank's batch (data/dataset.h, different on every rank) -> forward -> fp32 cross-entropy ->
-// OptimManager backward (gradients summed over ranks by the ZeRO reduce-scatter, divided by the data-parallel
-// size: the mean over ranks) -> global-norm clipping -> AdamW step on the local shards -> cosine LR schedule
+// Per step: this data-parallel rank's batch (data/dataset.h, different on every data-parallel rank; the ranks of
+// a tensor-parallel group (--tp) share one) -> forward -> fp32 cross-entropy (LanguageModel::loss) ->
+// OptimManager backward (gradients summed over the data-parallel group by the ZeRO reduce-scatter, divided by its
+// size: the mean) -> global-norm clipping -> AdamW step on the local shards -> cosine LR schedule
 // with linear warm-up. The reported loss is the mean over ranks. Held-out loss and task accuracy at step 0,
 // every eval_every steps and at the end; checkpoints every save_every steps and at the end; samples and the
 // optional Hugging Face export after the last step. Rank 0 prints progress and writes the metrics log.

@@ -148,12 +148,18 @@ at::Tensor DistributedParameter(at::IntArrayRef full_shape, at::ScalarType dtype
 }
 
 at::Tensor TensorParallelParameter(at::IntArrayRef logical_shape, int split_dim, at::ScalarType dtype,
-                                   InitMethod init_method, bool requires_grad, const std::string& who) {
+                                   InitMethod init_method, bool requires_grad, const std::string& who,
+                                   int64_t split_groups) {
   const Config& cfg = config();
   const std::string name = who.empty() ? std::string("TensorParallelParameter") : who;
   BMT_CHECK(split_dim >= 0 && split_dim < static_cast<int>(logical_shape.size()), name, ": split dimension ",
             split_dim, " is out of range for shape ", logical_shape);
   const int64_t n = logical_shape[static_cast<size_t>(split_dim)];
+  BMT_CHECK(split_groups >= 1 && n % split_groups == 0, name, ": dimension ", split_dim, " of shape ", logical_shape,
+            " cannot be cut into ", split_groups, " equal blocks");
+  BMT_CHECK(split_groups == 1 || n / split_groups % cfg.tp_size == 0, name, " (rank ", cfg.rank, "): dimension ",
+            split_dim, " of shape ", logical_shape, " holds ", split_groups, " blocks of ", n / split_groups,
+            ", which tp_size ", cfg.tp_size, " does not divide; choose a tp_size that divides it");
   BMT_CHECK(n % cfg.tp_size == 0, name, " (rank ", cfg.rank, "): dimension ", split_dim, " of shape ",
             logical_shape, " has size ", n, ", which tp_size ", cfg.tp_size, " does not divide; choose a tp_size "
             "that divides it (or pad the size)");
@@ -162,6 +168,7 @@ at::Tensor TensorParallelParameter(at::IntArrayRef logical_shape, int split_dim,
   at::Tensor t = DistributedParameter(piece, dtype, std::move(init_method), requires_grad, cfg.tp_zero_comm);
   ParamMeta& m = meta_of(t);
   m.tp_split_dim = split_dim;
+  m.tp_split_groups = split_groups;
   m.tp_size = cfg.tp_size;
   m.tp_rank = cfg.tp_rank;
   m.tp_grad_reduce = TpGradReduce::kNone;
@@ -241,7 +248,30 @@ at::Tensor gather_logical(const at::Tensor& param) {
   if (!m.is_tp_split()) return piece;
   at::NoGradGuard guard;
   at::Tensor all = distributed::raw_all_gather(piece.contiguous(), *config().tp_comm);  // (tp, *piece)
-  return at::cat(all.unbind(0), m.tp_split_dim);
+  return logical_from_pieces(m, all.unbind(0));
+}
+
+at::Tensor logical_from_pieces(const ParamMeta& m, const std::vector<at::Tensor>& pieces) {
+  BMT_CHECK(!pieces.empty(), "logical_from_pieces: no pieces");
+  if (!m.is_tp_split()) return pieces[0];
+  BMT_CHECK(static_cast<int>(pieces.size()) == m.tp_size, "logical_from_pieces: ", pieces.size(),
+            " pieces for tp_size ", m.tp_size);
+  const int dim = m.tp_split_dim;
+  const int64_t c = m.full_shape[static_cast<size_t>(dim)] / m.tp_split_groups;  // one block's slice per rank
+  std::vector<at::Tensor> parts;
+  for (int64_t g = 0; g < m.tp_split_groups; ++g)
+    for (const at::Tensor& p : pieces) parts.push_back(p.narrow(dim, g * c, c));
+  return at::cat(parts, dim);
+}
+
+at::Tensor piece_of_logical(const ParamMeta& m, const at::Tensor& logical, int tp_rank) {
+  if (!m.is_tp_split()) return logical;
+  const int dim = m.tp_split_dim;
+  const int64_t c = m.full_shape[static_cast<size_t>(dim)] / m.tp_split_groups;
+  if (m.tp_split_groups == 1) return logical.narrow(dim, c * tp_rank, c);
+  std::vector<at::Tensor> parts;
+  for (int64_t g = 0; g < m.tp_split_groups; ++g) parts.push_back(logical.narrow(dim, (g * m.tp_size + tp_rank) * c, c));
+  return at::cat(parts, dim);
 }
 
 void scatter_logical(const at::Tensor& param, const at::Tensor& logical) {
@@ -250,8 +280,7 @@ void scatter_logical(const at::Tensor& param, const at::Tensor& logical) {
   BMT_CHECK(logical.sizes().vec() == want, "scatter_logical: value has shape ", logical.sizes(),
             " but the parameter's logical shape is ", at::IntArrayRef(want));
   if (!m.is_tp_split()) return scatter_full(param, logical);
-  const int64_t n = m.full_shape[static_cast<size_t>(m.tp_split_dim)];
-  scatter_full(param, logical.narrow(m.tp_split_dim, n * m.tp_rank, n).contiguous());
+  scatter_full(param, piece_of_logical(m, logical, m.tp_rank).contiguous());
 }
 
 void init_parameters(torch::nn::Module& module) {

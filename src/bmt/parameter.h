@@ -10,12 +10,13 @@
 // and register these tensors like any parameter.
 //
 // Tensor parallelism (tp_size > 1): a TP-split parameter (TensorParallelParameter) has a logical shape that is
-// cut along `tp_split_dim` into tp_size equal pieces; tp rank r owns piece r, and `full_shape` is the piece's
-// shape. The piece is ZeRO-sharded over config().tp_zero_comm (the data-parallel group). A parameter that is not
-// split is replicated over the tp group (one copy per tp rank, each ZeRO-sharded over tp_zero_comm); after its
-// gradient is reduce-scattered, the gradient shard is all-reduced over config().tp_comm (tp_grad_reduce: kSum when
-// each tp rank computed a partial gradient, as under sequence parallelism; kAvg when each computed the whole,
-// identical gradient, as with replicated activations), so the copies never diverge.
+// cut along `tp_split_dim` into tp_size equal pieces; tp rank r owns piece r (with tp_split_groups > 1, e.g. a
+// fused Q/K/V projection: slice r of every block), and `full_shape` is the piece's shape. The piece is
+// ZeRO-sharded over config().tp_zero_comm (the data-parallel group). A parameter that is not split is replicated
+// over the tp group (one copy per tp rank, each ZeRO-sharded over tp_zero_comm); after its gradient is
+// reduce-scattered, the gradient shard is all-reduced over config().tp_comm (tp_grad_reduce: kSum when each tp rank
+// computed a partial gradient, as under sequence parallelism; kAvg when each computed the whole, identical
+// gradient, as with replicated activations), so the copies never diverge.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -56,6 +57,9 @@ struct ParamMeta {
   int64_t shard_end = 0;
   InitMethod init_method;
   int tp_split_dim = -1;  // tensor parallelism: dim along which the logical tensor is split (-1: not split)
+  // The split dim is tp_split_groups equal blocks (e.g. a fused Q/K/V projection: 3), each cut into tp_size
+  // slices; the piece of tp rank r is slice r of every block, in block order (1: one contiguous piece per rank).
+  int64_t tp_split_groups = 1;
   int tp_size = 1;        // number of pieces (config().tp_size for split parameters, else 1)
   int tp_rank = 0;        // the piece held here
   TpGradReduce tp_grad_reduce = TpGradReduce::kNone;  // replicated over tp > 1: how gradient copies combine
@@ -79,9 +83,11 @@ at::Tensor DistributedParameter(const at::Tensor& full, bool requires_grad = tru
 // A tensor-parallel parameter: `logical_shape` is split along `split_dim` over config().tp_comm (the size must be
 // divisible by tp_size; `who` names the layer in the error), and this rank's piece is ZeRO-sharded over
 // tp_zero_comm. init_method receives the whole logical tensor (identical on every rank), so initialisation equals
-// the unsplit model's.
+// the unsplit model's. split_groups > 1: the split dim holds that many equal blocks (fused Q/K/V: 3), each split
+// over tp separately (ParamMeta::tp_split_groups; every block's size must be divisible by tp_size).
 at::Tensor TensorParallelParameter(at::IntArrayRef logical_shape, int split_dim, at::ScalarType dtype,
-                                   InitMethod init_method, bool requires_grad = true, const std::string& who = "");
+                                   InitMethod init_method, bool requires_grad = true, const std::string& who = "",
+                                   int64_t split_groups = 1);
 
 // Sets how the gradient copies of a tp-replicated parameter combine (no effect on TP-split parameters or when
 // tp_size == 1). Call before the parameter's module is wrapped in a Block.
@@ -107,6 +113,11 @@ void scatter_full(const at::Tensor& param, const at::Tensor& full);
 at::Tensor gather_logical(const at::Tensor& param);
 // Writes this rank's part of the logical tensor (logical_shape) into the parameter (no communication).
 void scatter_logical(const at::Tensor& param, const at::Tensor& logical);
+// The layout of TP-split parameters without communication: the logical tensor from every tp rank's piece (in tp
+// rank order), and tp rank `tp_rank`'s piece of a logical tensor (honouring tp_split_groups). Identity for
+// parameters that are not split.
+at::Tensor logical_from_pieces(const ParamMeta& m, const std::vector<at::Tensor>& pieces);
+at::Tensor piece_of_logical(const ParamMeta& m, const at::Tensor& logical, int tp_rank);
 // Internal (Blocks, gathered()): all-reduces a reduced gradient shard over config().tp_comm as `reduce` says, on
 // the tensor's current stream (no-op for kNone or tp_size 1).
 void reduce_over_tp(at::Tensor& grad_shard, TpGradReduce reduce);

@@ -1,5 +1,5 @@
-// Tensor-parallel checkpoints. A small model (VPEmbedding, LayerNorm, a ZeRO-3 Block holding ColumnParallelLinear ->
-// GELU -> RowParallelLinear with biases, a gather-output ColumnParallelLinear head; Megatron layout) is trained 2
+// Tensor-parallel checkpoints. A small model (VPEmbedding, LayerNorm, a ZeRO-3 Block holding a grouped (gate/up)
+// ColumnParallelLinear -> GELU-gated product -> RowParallelLinear with biases, a gather-output ColumnParallelLinear head; Megatron layout) is trained 2
 // steps with AdamOptimizer under an OptimManager at world 4 / tp 2 (dp 2) and saved as a sharded checkpoint and as
 // consolidated .safetensors / .pt. The sharded checkpoint then loads at world 4 tp 2 (bit-identical resume), world 1
 // tp 1, world 4 tp 4, world 2 tp 2 and world 2 tp 1: bmt::state_dict equals the saved logical values exactly, and 2
@@ -23,9 +23,14 @@ constexpr int64_t kVocab = 16, kDim = 8, kFf = 16, kRows = 12, kSteps = 2;
 
 struct MlpImpl : torch::nn::Module {
   explicit MlpImpl(int64_t ff)
-      : up(register_module("up", bmt::nn::ColumnParallelLinear(kDim, ff, true, at::kFloat, false, false))),
+      // A fused gate/up projection (2 blocks, each split over tp): the grouped layout of GPT's Q/K/V weight.
+      : up(register_module("up", bmt::nn::ColumnParallelLinear(kDim, 2 * ff, true, at::kFloat, false, false,
+                                                               bmt::init::normal(0.0, 0.02), 2))),
         down(register_module("down", bmt::nn::RowParallelLinear(ff, kDim, true, at::kFloat, false, true))) {}
-  at::Tensor forward(const at::Tensor& x) { return x + down->forward(at::gelu(up->forward(x))); }
+  at::Tensor forward(const at::Tensor& x) {
+    auto gate_up = up->forward(x).chunk(2, -1);
+    return x + down->forward(at::gelu(gate_up[0]) * gate_up[1]);
+  }
   bmt::nn::ColumnParallelLinear up;
   bmt::nn::RowParallelLinear down;
 };
@@ -229,15 +234,17 @@ TEST(TpCheckpoint, SavedAtTp2LoadsAtTp1AndTp4) {
     }
     EXPECT_NE(msg.find("mlp.down.weight: checkpoint has F32 [8, 16] (split along dim 1 over tp 2), model has F32 "
                        "[8, 32] (split along dim 1 over tp 2)"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("exp_avg of mlp.up.weight has shape [16, 8] (split along dim 0 over tp 2) in the checkpoint, "
-                       "the parameter has [32, 8] (split along dim 0 over tp 2)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("exp_avg of mlp.up.weight has shape [32, 8] (split along dim 0 in 2 blocks over tp 2) in the "
+                       "checkpoint, the parameter has [64, 8] (split along dim 0 in 2 blocks over tp 2)"),
+              std::string::npos) << msg;
     msg.clear();
     try {
       bmt::load(*wrong.model, dir / "model.safetensors");
     } catch (const bmt::core::Error& e) {
       msg = e.what();
     }
-    EXPECT_NE(msg.find("mlp.up.weight: file has F32 [16, 8], model has F32 [32, 8] (split along dim 0 over tp 2)"),
+    EXPECT_NE(msg.find("mlp.up.weight: file has F32 [32, 8], model has F32 [64, 8] (split along dim 0 in 2 blocks over "
+                       "tp 2)"),
               std::string::npos) << msg;
   }, tp_init(2));
   bmt::testing::run_ranks(2, [&] {

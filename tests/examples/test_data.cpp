@@ -193,8 +193,10 @@ TEST(SmallFormats, SafetensorsHeaderAndFile) {
 }
 
 TEST(SmallFormats, TrainArgs) {
-  const char* argv[] = {"train_gpt", "--steps", "10", "--lr=0.01", "--checkpointing", "--zero", "2", "--model", "llama"};
-  auto a = examples::parse_train_args(9, argv);
+  const char* argv[] = {"train_gpt", "--steps", "10", "--lr=0.01", "--checkpointing", "--zero", "2", "--model", "llama",
+                        "--tp", "2"};
+  auto a = examples::parse_train_args(11, argv);
+  EXPECT_EQ(a.tp, 2);
   EXPECT_EQ(a.steps, 10);
   EXPECT_DOUBLE_EQ(a.lr, 0.01);
   EXPECT_TRUE(a.checkpointing);
@@ -206,6 +208,8 @@ TEST(SmallFormats, TrainArgs) {
   EXPECT_NE(error_of([&] { examples::parse_train_args(3, bad2); }).find("expected an integer"), std::string::npos);
   const char* bad3[] = {"train_gpt", "--stpes", "1"};
   EXPECT_NE(error_of([&] { examples::parse_train_args(3, bad3); }).find("unknown option '--stpes'"), std::string::npos);
+  const char* bad5[] = {"train_gpt", "--tp", "0"};
+  EXPECT_NE(error_of([&] { examples::parse_train_args(3, bad5); }).find("--tp must be >= 1"), std::string::npos);
   const char* bad4[] = {"train_gpt", "--steps"};
   EXPECT_NE(error_of([&] { examples::parse_train_args(2, bad4); }).find("needs a value"), std::string::npos);
 }

@@ -27,7 +27,7 @@ inline at::Tensor logical_grad(const at::Tensor& param) {
   at::Tensor piece = piece_grad(param);
   if (!m.is_tp_split()) return piece;
   at::Tensor all = distributed::raw_all_gather(piece.contiguous(), *config().tp_comm);
-  return at::cat(all.unbind(0), m.tp_split_dim);
+  return logical_from_pieces(m, all.unbind(0));
 }
 
 inline void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what, double tol = 2e-5) {

@@ -65,7 +65,7 @@ ConsolidatedStats save(torch::nn::Module& model, const std::string& path, const 
   if (rank == 0) {
     std::vector<TensorInfo> infos;
     for (size_t i = 0; i < plan.size(); ++i)
-      infos.push_back(TensorInfo{plan[i].info.key, plan[i].info.dtype, layouts[i].logical_shape});
+      infos.push_back(TensorInfo{plan[i].info.key, plan[i].info.dtype, layouts[i].real_shape()});
     rank0_error = capture_error([&] { writer = create_tensor_file(path, infos, options.metadata); });
   }
   // Elements [a, b) of entry e's flattened (stored) tensor into dst (bytes, rank 0), each from its owner.
@@ -176,7 +176,7 @@ LoadResult load(torch::nn::Module& model, const std::string& path, bool strict, 
     }
     const SliceDecl& f = file_index[it->second];
     const ParamRange& r = t.range;
-    if (f.dtype != t.dtype || f.shape != r.layout.logical_shape) {
+    if (f.dtype != t.dtype || f.shape != r.layout.real_shape()) {
       mismatched.push_back(t.key + ": file has " + f.dtype + " " + shape_string(f.shape) + ", model has " + t.dtype +
                            " " + r.layout.describe());
       continue;
@@ -265,7 +265,7 @@ LoadResult load(torch::nn::Module& model, const std::string& path, bool strict, 
       }
     }
     if (split) {
-      at::Tensor v = assemble_piece_range(unsplit_layout(f.shape), split->layout, split->tp_rank, split->piece_begin(),
+      at::Tensor v = assemble_piece_range(unsplit_layout(split->layout.logical_shape), split->layout, split->tp_rank, split->piece_begin(),
                                           split->piece_end(), dst.scalar_type(), [&](int, int64_t a, int64_t b) {
                                             return flat.narrow(0, a - my_begin, b - a);
                                           });

@@ -24,7 +24,7 @@ ExportStats export_consolidated(const std::string& checkpoint_dir, const std::st
     if (e.key.rfind(prefix, 0) != 0) continue;
     chosen.push_back(&e);
     layouts.push_back(entry_tp_layout(e.key, e.shape, e.attrs));
-    infos.push_back(TensorInfo{e.key.substr(prefix.size()), e.dtype, layouts.back().logical_shape});
+    infos.push_back(TensorInfo{e.key.substr(prefix.size()), e.dtype, layouts.back().real_shape()});
   }
   BMT_CHECK(!chosen.empty(), "export: checkpoint ", reader.path(), " has no entries under \"", prefix, "\"");
   std::map<std::string, std::string> meta = {{"format", "pt"}, {"step", std::to_string(reader.metadata().step)}};

@@ -217,7 +217,7 @@ optim::StateDict provider_state_from(const std::string& C, const ShardedStatePro
         }
         ParamRange r = param_range(p, pname);
         const TpLayout saved = entry_tp_layout(e.key, e.shape, e.attrs);
-        if (saved.logical_shape != r.layout.logical_shape) {
+        if (saved.real_shape() != r.layout.real_shape()) {
           errors.push_back(C + ": " + attr("name") + " of " + pname + " has shape " + saved.describe() +
                            " in the checkpoint, the parameter has " + r.layout.describe() + " (a different model?)");
           continue;

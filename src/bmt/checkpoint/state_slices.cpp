@@ -53,13 +53,12 @@ ParamRange param_range(const at::Tensor& p, const std::string& name) {
   if (const ParamMeta* m = find_meta(p)) {
     BMT_ASSERT(p.numel() == m->shard_end - m->shard_begin, "parameter ", name, " holds ", p.numel(),
                " elements, its shard range is [", m->shard_begin, ", ", m->shard_end, ")");
-    r.layout.logical_shape = m->logical_shape();
+    r.layout = unsplit_layout(m->logical_shape());
     int64_t base = 0;
     if (m->is_tp_split()) {
-      r.layout.split_dim = m->tp_split_dim;
-      r.layout.tp_size = m->tp_size;
+      r.layout = split_layout(m->logical_shape(), m->tp_split_dim, m->tp_size, static_cast<int>(m->tp_split_groups));
       r.tp_rank = m->tp_rank;
-      BMT_ASSERT(r.layout.piece_shape() == m->full_shape, "parameter ", name, ": piece shape ",
+      BMT_ASSERT(r.layout.piece_numel() == m->full_numel, "parameter ", name, ": piece shape ",
                  shape_string(m->full_shape), " is not a tp piece of ", r.layout.describe());
       base = r.tp_rank * m->full_numel;
     }
@@ -76,18 +75,19 @@ ParamRange param_range(const at::Tensor& p, const std::string& name) {
 }
 
 at::Tensor read_param_range(CheckpointReader& reader, const EntryMeta& e, const ParamRange& r) {
-  const TpLayout src = entry_tp_layout(e.key, e.shape, e.attrs);
-  BMT_CHECK(src.logical_shape == r.layout.logical_shape, "checkpoint entry ", e.key, " has logical shape ",
-            src.describe(), ", the target has ", r.layout.describe());
-  if (src == r.layout) return reader.read(e, r.begin, r.end);
+  TpLayout src = entry_tp_layout(e.key, e.shape, e.attrs);
+  TpLayout dst = r.layout;
+  BMT_CHECK(align_unsplit(src, dst) && align_unsplit(dst, src) && src.logical_shape == dst.logical_shape,
+            "checkpoint entry ", e.key, " has logical shape ", src.describe(), ", the target has ", r.layout.describe());
+  if (src == dst) return reader.read(e, r.begin, r.end);
   const int64_t pn = src.piece_numel();
-  return assemble_piece_range(src, r.layout, r.tp_rank, r.piece_begin(), r.piece_end(), scalar_type_of(e.dtype),
+  return assemble_piece_range(src, dst, r.tp_rank, r.piece_begin(), r.piece_end(), scalar_type_of(e.dtype),
                               [&](int j, int64_t a, int64_t b) { return reader.read(e, j * pn + a, j * pn + b); });
 }
 
 std::string entry_mismatch(const EntryMeta& e, const std::string& dtype, const ParamRange& r) {
   const TpLayout src = entry_tp_layout(e.key, e.shape, e.attrs);
-  if (e.dtype == dtype && src.logical_shape == r.layout.logical_shape) return "";
+  if (e.dtype == dtype && src.real_shape() == r.layout.real_shape()) return "";
   return "checkpoint has " + e.dtype + " " + src.describe() + ", model has " + dtype + " " + r.layout.describe();
 }
 

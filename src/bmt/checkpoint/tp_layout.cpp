@@ -27,14 +27,26 @@ std::vector<int64_t> TpLayout::stored_shape() const {
   return s;
 }
 
+std::vector<int64_t> TpLayout::real_shape() const {
+  if (split_groups <= 1) return logical_shape;
+  std::vector<int64_t> s = logical_shape;
+  const size_t g = static_cast<size_t>(split_dim - 1);
+  s[g] *= s[g + 1];
+  s.erase(s.begin() + static_cast<int64_t>(g) + 1);
+  return s;
+}
+
 bool TpLayout::operator==(const TpLayout& o) const {
-  if (logical_shape != o.logical_shape || is_split() != o.is_split()) return false;
+  if (logical_shape != o.logical_shape || is_split() != o.is_split() || split_groups != o.split_groups) return false;
   return !is_split() || (split_dim == o.split_dim && tp_size == o.tp_size);
 }
 
 std::string TpLayout::describe() const {
-  std::string s = shape_string(logical_shape);
-  if (is_split())
+  std::string s = shape_string(real_shape());
+  if (is_split() && split_groups > 1)
+    s += " (split along dim " + std::to_string(split_dim - 1) + " in " + std::to_string(split_groups) +
+         " blocks over tp " + std::to_string(tp_size) + ")";
+  else if (is_split())
     s += " (split along dim " + std::to_string(split_dim) + " over tp " + std::to_string(tp_size) + ")";
   return s;
 }
@@ -43,6 +55,28 @@ TpLayout unsplit_layout(std::vector<int64_t> logical_shape) {
   TpLayout l;
   l.logical_shape = std::move(logical_shape);
   return l;
+}
+
+TpLayout split_layout(const std::vector<int64_t>& real_shape, int split_dim, int tp_size, int groups) {
+  TpLayout l;
+  l.logical_shape = real_shape;
+  l.split_dim = split_dim;
+  l.tp_size = tp_size;
+  if (groups > 1) {
+    const size_t d = static_cast<size_t>(split_dim);
+    BMT_ASSERT(d < real_shape.size() && real_shape[d] % groups == 0, "grouped split of ", shape_string(real_shape));
+    l.logical_shape[d] = groups;
+    l.logical_shape.insert(l.logical_shape.begin() + static_cast<int64_t>(d) + 1, real_shape[d] / groups);
+    l.split_dim = split_dim + 1;
+    l.split_groups = groups;
+  }
+  return l;
+}
+
+bool align_unsplit(TpLayout& a, const TpLayout& b) {
+  if (a.real_shape() != b.real_shape()) return false;
+  if (!a.is_split() && a.split_groups <= 1) a.logical_shape = b.logical_shape;
+  return true;
 }
 
 namespace {
@@ -66,6 +100,7 @@ void add_tp_attrs(const TpLayout& layout, std::map<std::string, std::string>& at
   attrs["tp_split_dim"] = std::to_string(layout.split_dim);
   attrs["tp_size"] = std::to_string(layout.tp_size);
   attrs["logical_shape"] = join_shape(layout.logical_shape);
+  if (layout.split_groups > 1) attrs["tp_split_groups"] = std::to_string(layout.split_groups);
 }
 
 TpLayout entry_tp_layout(const std::string& key, const std::vector<int64_t>& stored_shape,
@@ -97,6 +132,13 @@ TpLayout entry_tp_layout(const std::string& key, const std::vector<int64_t>& sto
   BMT_CHECK(l.logical_shape[static_cast<size_t>(l.split_dim)] % l.tp_size == 0, "checkpoint entry ", key,
             ": tp_size ", l.tp_size, " does not divide dimension ", l.split_dim, " of logical shape ",
             shape_string(l.logical_shape));
+  if (auto g = attrs.find("tp_split_groups"); g != attrs.end()) {
+    l.split_groups = static_cast<int>(std::min<int64_t>(parse_int(key, "tp_split_groups", g->second), 1 << 20));
+    BMT_CHECK(l.split_groups >= 1 && l.split_dim >= 1 &&
+                  l.logical_shape[static_cast<size_t>(l.split_dim - 1)] == l.split_groups,
+              "checkpoint entry ", key, ": tp_split_groups ", l.split_groups, " does not match logical shape ",
+              shape_string(l.logical_shape), " split along dim ", l.split_dim);
+  }
   BMT_CHECK(l.stored_shape() == stored_shape, "checkpoint entry ", key, ": stored shape ", shape_string(stored_shape),
             " is not the stacked tp pieces ", shape_string(l.stored_shape()), " of ", l.describe());
   return l;

@@ -8,6 +8,12 @@
 // Entries without these attrs (replicated parameters, dp-only models, checkpoints written before tensor
 // parallelism) are stored with their logical shape: the unsplit layout (tp_size 1).
 // For split_dim 0 the stacked layout's flattened order equals the logical tensor's (only the shape differs).
+// Grouped splits (a fused Q/K/V weight: dimension d holds G equal blocks, each split over tp; parameter.h's
+// tp_split_groups) are plain splits of an expanded shape: dimension d becomes (G, n/G) and the split is along
+// d + 1, so `logical_shape` is the expanded shape, `split_groups` = G (attr "tp_split_groups"), and real_shape()
+// merges the two dimensions back (the shape consolidated files and state_dict use; the flattened order is the same).
+// An unsplit entry whose shape equals a grouped layout's real shape is re-cut through the expanded shape
+// (align_unsplit).
 //
 // assemble_piece_range builds elements [begin, end) of the flattened piece `tp_rank` of a target layout from the
 // pieces of a source layout with the same logical shape (any split dim and tp size, or unsplit): it reads, piece by
@@ -28,7 +34,10 @@ struct TpLayout {
   std::vector<int64_t> logical_shape;
   int split_dim = -1;  // -1: not split
   int tp_size = 1;
+  int split_groups = 1;  // > 1: logical_shape is expanded, dimension split_dim - 1 holds the groups
 
+  // The user-visible shape (logical_shape with a grouped split's two dimensions merged).
+  std::vector<int64_t> real_shape() const;
   bool is_split() const { return split_dim >= 0 && tp_size > 1; }
   std::vector<int64_t> piece_shape() const;  // logical_shape when not split
   int64_t piece_numel() const;
@@ -40,6 +49,11 @@ struct TpLayout {
 };
 
 TpLayout unsplit_layout(std::vector<int64_t> logical_shape);
+// A split of `real_shape` along `split_dim` over tp, in `groups` equal blocks (groups 1: a plain split).
+TpLayout split_layout(const std::vector<int64_t>& real_shape, int split_dim, int tp_size, int groups);
+// When `a` is unsplit and its shape is `b`'s real shape, gives `a` b's (possibly expanded) logical shape, so the
+// two can be re-cut into each other. Returns whether the real shapes match.
+bool align_unsplit(TpLayout& a, const TpLayout& b);
 // Adds the tp attrs of a split layout (nothing for an unsplit one).
 void add_tp_attrs(const TpLayout& layout, std::map<std::string, std::string>& attrs);
 // The layout an entry was stored with; inconsistent tp attrs (a dimension out of range, a stored shape that is not

@@ -1,6 +1,7 @@
 #include "bmt/nn/parallel_layers.h"
 
 #include <ostream>
+#include <string>
 
 #include "bmt/core/error.h"
 #include "bmt/init.h"
@@ -19,16 +20,23 @@ void check_divisible(const char* layer, const char* what, int64_t n) {
 }  // namespace
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, bool with_bias, at::ScalarType dtype,
-                                                   bool gather_out, bool gather_in, InitMethod weight_init)
-    : in_features(in), out_features(out), gather_output(gather_out), gather_input(gather_in) {
+                                                   bool gather_out, bool gather_in, InitMethod weight_init,
+                                                   int64_t groups)
+    : in_features(in), out_features(out), split_groups(groups), gather_output(gather_out), gather_input(gather_in) {
   BMT_CHECK(in > 0, "nn::ColumnParallelLinear: in_features must be positive, got ", in);
-  check_divisible("nn::ColumnParallelLinear", "out_features", out);
+  BMT_CHECK(groups >= 1 && out % groups == 0, "nn::ColumnParallelLinear: out_features = ", out,
+            " is not a multiple of split_groups = ", groups);
+  // Gathered features would come out rank-major, not in the logical (block-major) order.
+  BMT_CHECK(groups == 1 || !gather_out || config().tp_size == 1, "nn::ColumnParallelLinear: gather_output with "
+            "split_groups = ", groups, " is not supported; gather each block's output instead");
+  check_divisible("nn::ColumnParallelLinear", groups > 1 ? "out_features / split_groups" : "out_features",
+                  out / groups);
   out_features_per_partition = out / config().tp_size;
   weight = register_parameter("weight", TensorParallelParameter({out, in}, 0, dtype, std::move(weight_init), true,
-                                                                "nn::ColumnParallelLinear weight"));
+                                                                "nn::ColumnParallelLinear weight", groups));
   if (with_bias)
     bias = register_parameter("bias", TensorParallelParameter({out}, 0, dtype, init::zeros(), true,
-                                                              "nn::ColumnParallelLinear bias"));
+                                                              "nn::ColumnParallelLinear bias", groups));
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
@@ -39,7 +47,8 @@ at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
 
 void ColumnParallelLinearImpl::pretty_print(std::ostream& os) const {
   os << "bmt::nn::ColumnParallelLinear(in_features=" << in_features << ", out_features=" << out_features
-     << ", out_features_per_partition=" << out_features_per_partition << ", bias=" << bias.defined()
+     << ", out_features_per_partition=" << out_features_per_partition
+     << (split_groups > 1 ? ", split_groups=" + std::to_string(split_groups) : std::string()) << ", bias=" << bias.defined()
      << ", gather_input=" << gather_input << ", gather_output=" << gather_output << ")";
 }
 
@@ -86,8 +95,8 @@ VPEmbeddingImpl::VPEmbeddingImpl(int64_t vocab, int64_t dim, at::ScalarType dtyp
                                                                 "nn::VPEmbedding weight"));
 }
 
-at::Tensor VPEmbeddingImpl::forward(const at::Tensor& ids) {
-  at::Tensor w = gathered(weight);
+at::Tensor VPEmbeddingImpl::forward(const at::Tensor& ids, const at::Tensor& gathered_weight) {
+  at::Tensor w = gathered_weight.defined() ? gathered_weight : gathered(weight);
   if (config().tp_size == 1) return at::embedding(w, ids);
   // Ids outside this rank's range look up row 0 and are zeroed; the sum over tp ranks restores every row, and
   // the backward gives each rank the gradient of every token that hit its range (also other ranks' rows).

@@ -6,6 +6,9 @@
 //   ColumnParallelLinear  weight (out/tp, in), bias (out/tp).  Input: gather_input = true (BMTrain's default,
 //                         sequence parallel): rows split over tp, all-gathered first; false: replicated input.
 //                         Output: this rank's out/tp features, or all of them (gather_output, replicated).
+//                         split_groups > 1 (a fused projection such as Q/K/V: 3): the out features are that many
+//                         equal blocks, each split over tp, so this rank's features are its slice of every block,
+//                         in block order (the state_dict keeps the unsplit (out, in) layout).
 //   RowParallelLinear     weight (out, in/tp), bias (out) replicated.  Input: this rank's in/tp features (the
 //                         output of a column-parallel layer), or all features replicated (split_input: keep the
 //                         own slice). Output: reduce-scattered along rows (default, sequence parallel) or
@@ -31,10 +34,10 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
  public:
   ColumnParallelLinearImpl(int64_t in_features, int64_t out_features, bool bias = true,
                            at::ScalarType dtype = at::kFloat, bool gather_output = false, bool gather_input = true,
-                           InitMethod weight_init = init::normal(0.0, 0.02));
+                           InitMethod weight_init = init::normal(0.0, 0.02), int64_t split_groups = 1);
   at::Tensor forward(const at::Tensor& x);
   void pretty_print(std::ostream& os) const override;
-  int64_t in_features, out_features, out_features_per_partition;
+  int64_t in_features, out_features, out_features_per_partition, split_groups;
   bool gather_output, gather_input;
   at::Tensor weight, bias;
 };
@@ -58,7 +61,8 @@ class VPEmbeddingImpl : public torch::nn::Module {
   // sequence_parallel defaults to config().sequence_parallel.
   VPEmbeddingImpl(int64_t vocab_size, int64_t embedding_size, at::ScalarType dtype = at::kFloat,
                   InitMethod weight_init = init::normal(0.0, 0.02), std::optional<bool> sequence_parallel = {});
-  at::Tensor forward(const at::Tensor& ids);
+  // Reuses an already gathered weight when given (one gather for the lookup and the tied projection).
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& gathered_weight = {});
   // Logits of this rank's vocabulary slice, reusing an already gathered weight when given.
   at::Tensor projection(const at::Tensor& x, const at::Tensor& gathered_weight = {});
   void pretty_print(std::ostream& os) const override;
