@@ -293,7 +293,8 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   r.data_parallel = cfg.tp_zero_size;
   r.rank = cfg.rank;
   for (const auto& item : model->named_parameters()) {
-    const int64_t n = bmt::meta_of(item.value()).full_numel;
+    int64_t n = 1;  // the logical (unsplit) size: tensor-parallel pieces count as whole parameters
+    for (int64_t d : bmt::meta_of(item.value()).logical_shape()) n *= d;
     r.num_params += n;
     if (item.key() != "wpe.weight") r.num_matmul_params += n;
   }

@@ -59,7 +59,8 @@ std::vector<WriteItem> rank_write_items(const std::vector<PlannedEntry>& plan, c
       BMT_ASSERT(it != by_key.end(), "rank ", rank, " was planned to write ", plan[i].info.key, " which it lacks");
       const LocalSlice& s = *it->second;
       BMT_ASSERT(s.decl.begin <= p.elem_begin && p.elem_end <= s.decl.end, "planned piece outside the local slice");
-      items.push_back(WriteItem{p.byte_offset, s.data, p.elem_begin - s.decl.begin, p.elem_end - s.decl.begin});
+      items.push_back(
+          WriteItem{p.byte_offset, s.data, p.elem_begin - s.decl.begin, p.elem_end - s.decl.begin, s.private_copy});
     }
   }
   std::sort(items.begin(), items.end(), [](const WriteItem& a, const WriteItem& b) { return a.byte_offset < b.byte_offset; });
@@ -69,6 +70,10 @@ std::vector<WriteItem> rank_write_items(const std::vector<PlannedEntry>& plan, c
 int64_t snapshot_to_host(std::vector<WriteItem>& items) {
   int64_t nbytes = 0;
   for (WriteItem& it : items) {
+    if (it.private_copy && it.src.is_cpu()) {  // already a host copy of its own (e.g. an optimizer state dict)
+      nbytes += (it.src_end - it.src_begin) * static_cast<int64_t>(it.src.element_size());
+      continue;
+    }
     at::Tensor piece = it.src.reshape({-1}).narrow(0, it.src_begin, it.src_end - it.src_begin);
     at::TensorOptions opts = piece.options().device(at::kCPU);
     if (piece.is_cuda()) opts = opts.pinned_memory(true);

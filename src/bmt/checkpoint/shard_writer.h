@@ -26,6 +26,7 @@ struct WriteItem {
   int64_t byte_offset = 0;
   at::Tensor src;  // holds elements [src_begin, src_end) of its flattened self to write
   int64_t src_begin = 0, src_end = 0;
+  bool private_copy = false;  // LocalSlice::private_copy: a host tensor needs no snapshot copy
 };
 
 // The pieces of `rank` in layout order, taken from this rank's local slices.

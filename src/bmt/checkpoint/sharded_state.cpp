@@ -87,6 +87,7 @@ const ShardedStateProvider::ParamSpace* space_of(const std::vector<ShardedStateP
 
 LocalSlice whole(const std::string& key, const at::Tensor& t, std::map<std::string, std::string> attrs) {
   LocalSlice s;
+  s.private_copy = true;  // provider state dicts hold fresh copies (see ShardedStateProvider::state_dict)
   s.data = t.detach();
   s.decl.key = key;
   s.decl.dtype = dtype_name(t.scalar_type());
@@ -135,6 +136,7 @@ std::vector<LocalSlice> provider_slices(const std::string& C, const ShardedState
     if (t.sizes() == p.sizes()) {
       ParamRange r = param_range(p, pname);
       LocalSlice s;
+      s.private_copy = true;
       s.data = t.detach();
       s.decl.key = C + "/shard/" + space->prefix + pname + "/" + name;
       s.decl.dtype = dtype_name(t.scalar_type());

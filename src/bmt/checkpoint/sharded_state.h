@@ -43,6 +43,7 @@ class ShardedStateProvider {
   };
   virtual ~ShardedStateProvider() = default;
   virtual std::vector<ParamSpace> param_spaces() const = 0;
+  // Must return fresh copies (host or device), never live state: async saves keep host tensors as their snapshot.
   virtual optim::StateDict state_dict() const = 0;
   virtual void load_state_dict(const optim::StateDict& sd) = 0;
 };

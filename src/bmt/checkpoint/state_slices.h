@@ -35,6 +35,9 @@ namespace bmt::checkpoint {
 struct LocalSlice {
   SliceDecl decl;
   at::Tensor data;
+  // `data` is a copy nobody else writes (optimizer and scheduler state dicts, RNG states): an async save may keep
+  // it as its snapshot instead of copying it again. Live tensors (model parameters) are copied.
+  bool private_copy = false;
 };
 
 
