@@ -15,6 +15,8 @@
 // tokens (a few batches generated on the device before timing, cycled). W warm-up steps, then N timed steps, each
 // followed by a device synchronisation and timed with a steady clock.
 //
+// --offload-blocks: --offload for the parameters inside Blocks only; the embeddings and the final norm (whose
+// gradients are complete only at the end of the backward) keep a GPU AdamOptimizer in the same OptimManager.
 // --tp N (bmt, under bmtrun): tensor parallelism over N ranks (examples' sequence-parallel layout, vocab-parallel
 // loss); the N ranks of a tp group share one batch, so tokens per step = B·T·(world / N).
 // Reported: tokens/s = N·B·T / (sum of the timed step times); step_s = mean timed step; MFU = tokens/s ·
@@ -82,6 +84,7 @@ struct Args {
   bool checkpointing = false, offload = false, raw_step = false, force = false, no_overlap = false;
   int zero = 3;
   int tp = 1;
+  bool offload_blocks_only = false;  // --offload-blocks: CPU Adam for Block parameters, GPU Adam for the rest
   std::string json_path;
   std::string device = "auto";  // plain only
   std::string plain_adamw = "fused";
@@ -95,6 +98,7 @@ const char* kUsage =
     "                       [--zero 2|3] [--json PATH] [--arch gpt|llama] [--device auto|cpu|cuda (plain)]\n"
     "                       [--plain-adamw fused|torch] [--autocast auto|on|off (plain, bf16)] [--raw-step (bmt)]\n"
     "                       [--no-overlap (offload: update every Block after the backward)]\n"
+    "                       [--offload-blocks (CPU Adam for the Blocks' parameters only, GPU Adam for the rest)]\n"
     "                       [--force (skip the host memory check)]\n"
     "                       [--seed S] [--tp N (bmt: tensor parallelism; run under bmtrun with N | world)]\n";
 
@@ -133,6 +137,7 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--seed") a.seed = static_cast<uint64_t>(to_int(f, need(i)));
     else if (f == "--checkpointing") a.checkpointing = true;
     else if (f == "--offload") a.offload = true;
+    else if (f == "--offload-blocks") a.offload = a.offload_blocks_only = true;
     else if (f == "--raw-step") a.raw_step = true;
     else if (f == "--no-overlap") a.no_overlap = true;
     else if (f == "--force") a.force = true;
@@ -147,6 +152,7 @@ Args parse_args(int argc, char** argv) {
   if (a.framework != "bmt" && a.framework != "plain")
     throw std::invalid_argument("--framework must be bmt or plain, got '" + a.framework + "'");
   if (a.zero != 2 && a.zero != 3) throw std::invalid_argument("--zero must be 2 or 3");
+  if (a.offload_blocks_only && a.raw_step) throw std::invalid_argument("--offload-blocks needs the OptimManager (no --raw-step)");
   if (a.tp < 1 || (a.tp > 1 && a.framework != "bmt")) throw std::invalid_argument("--tp N (>= 1) is for --framework bmt");
   if (a.steps < 1 || a.warmup < 0) throw std::invalid_argument("--steps must be >= 1 and --warmup >= 0");
   if (a.seq < 0 || a.batch < 0) throw std::invalid_argument("--seq and --batch must be positive");
@@ -300,8 +306,11 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   }
   r.precision = std::string(dtype == at::kBFloat16 ? "bf16" : "fp32") + " params, fp32 grads/master";
 
-  std::vector<at::Tensor> params;
-  for (const auto& p : model->parameters()) params.push_back(p);
+  std::vector<at::Tensor> params, gpu_params;  // gpu_params: --offload-blocks keeps non-Block parameters on the GPU
+  for (const auto& p : model->parameters()) {
+    if (a.offload_blocks_only && bmt::meta_of(p).block == nullptr) gpu_params.push_back(p);
+    else params.push_back(p);
+  }
   if (a.offload && r.device.is_cuda()) {
     // Host bytes the offloaded state needs: fp32 master (half params) + two fp32 moments + pinned staging for the
     // gradient and the parameter (the pinned host allocator rounds up to powers of two).
@@ -341,6 +350,12 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   }
   auto manager = std::make_shared<bmt::optim::OptimManager>();  // loss scaling off (bf16 / fp32)
   manager->add_optimizer(optimizer);
+  std::shared_ptr<bmt::optim::BmtOptimizer> gpu_optimizer;
+  if (!gpu_params.empty()) {
+    gpu_optimizer = std::make_shared<bmt::optim::AdamOptimizer>(gpu_params, opts);
+    manager->add_optimizer(gpu_optimizer);
+    r.optimizer += " for Blocks + AdamOptimizer for the rest";
+  }
   if (a.raw_step) r.optimizer += " (raw step)";
   else r.optimizer += " + OptimManager";
 
@@ -426,7 +441,7 @@ int run(const Args& a) {
   if (a.framework == "bmt" && a.zero != 3) config += " zero" + std::to_string(a.zero);
   if (a.tp > 1) config += " tp" + std::to_string(a.tp);
   if (a.checkpointing) config += " ckpt";
-  if (a.offload) config += " offload";
+  if (a.offload) config += a.offload_blocks_only ? " offload-blocks" : " offload";
   std::printf("bench_train: %s | %s | %s on %s | %.1fM params (%.1fM matmul), %.3g GFLOP/token | %s | %s\n",
               a.framework.c_str(), config.c_str(), shape.model.describe().c_str(), r.device.str().c_str(),
               static_cast<double>(r.num_params) / 1e6, static_cast<double>(r.num_matmul_params) / 1e6,
