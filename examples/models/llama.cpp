@@ -49,9 +49,10 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& sh
     return wo->forward(merge_heads(causal_attention(q, k, v)));
   }
   RopeTables rope = rope_tables(shape.size(1), head_dim, rope_theta, x.device());
-  at::Tensor q = apply_rope(split_heads(rows_to_batch(wq_tp->forward(x), shape), num_heads), rope);
-  at::Tensor k = apply_rope(split_heads(rows_to_batch(wk_tp->forward(x), shape), num_kv_heads), rope);
-  at::Tensor v = split_heads(rows_to_batch(wv_tp->forward(x), shape), num_kv_heads);
+  const at::Tensor in = wq_tp->input_of(x);  // one all-gather for the three projections
+  at::Tensor q = apply_rope(split_heads(rows_to_batch(wq_tp->forward_input(in), shape), num_heads), rope);
+  at::Tensor k = apply_rope(split_heads(rows_to_batch(wk_tp->forward_input(in), shape), num_kv_heads), rope);
+  at::Tensor v = split_heads(rows_to_batch(wv_tp->forward_input(in), shape), num_kv_heads);
   return wo_tp->forward(batch_to_rows(merge_heads(causal_attention(q, k, v)), shape));
 }
 
@@ -69,7 +70,8 @@ LlamaFeedForwardImpl::LlamaFeedForwardImpl(const ModelConfig& c, at::ScalarType 
 
 at::Tensor LlamaFeedForwardImpl::forward(const at::Tensor& x) {
   if (w1) return w2->forward(at::silu(w1->forward(x)) * w3->forward(x));
-  return w2_tp->forward(at::silu(w1_tp->forward(x)) * w3_tp->forward(x));
+  const at::Tensor in = w1_tp->input_of(x);  // one all-gather for w1 and w3
+  return w2_tp->forward(at::silu(w1_tp->forward_input(in)) * w3_tp->forward_input(in));
 }
 
 LlamaLayerImpl::LlamaLayerImpl(const ModelConfig& c, at::ScalarType dtype) {

@@ -39,8 +39,13 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, bool
                                                               "nn::ColumnParallelLinear bias", groups));
 }
 
-at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  at::Tensor input = gather_input ? tp::gather_rows(x) : tp::copy_to_tp(x);
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) { return forward_input(input_of(x)); }
+
+at::Tensor ColumnParallelLinearImpl::input_of(const at::Tensor& x) const {
+  return gather_input ? tp::gather_rows(x) : tp::copy_to_tp(x);
+}
+
+at::Tensor ColumnParallelLinearImpl::forward_input(const at::Tensor& input) {
   at::Tensor y = at::linear(input, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor());
   return gather_output ? tp::gather_last_dim(y) : y;
 }

@@ -36,6 +36,10 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
                            at::ScalarType dtype = at::kFloat, bool gather_output = false, bool gather_input = true,
                            InitMethod weight_init = init::normal(0.0, 0.02), int64_t split_groups = 1);
   at::Tensor forward(const at::Tensor& x);
+  // forward() in two halves, so several column-parallel layers reading the same x communicate once:
+  // input_of(x) all-gathers the rows (gather_input) or marks x replicated; forward_input(input_of(x)) == forward(x).
+  at::Tensor input_of(const at::Tensor& x) const;
+  at::Tensor forward_input(const at::Tensor& input);
   void pretty_print(std::ostream& os) const override;
   int64_t in_features, out_features, out_features_per_partition, split_groups;
   bool gather_output, gather_input;
