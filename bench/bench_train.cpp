@@ -194,30 +194,9 @@ Shape resolve_shape(const Args& a) {
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-std::string utc_now() {
-  char buf[32];
-  std::time_t t = std::time(nullptr);
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
-
-std::string json_str(const std::string& s) {
-  std::string o = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') o += '\\', o += c;
-    else if (static_cast<unsigned char>(c) < 0x20) o += ' ';
-    else o += c;
-  }
-  return o + "\"";
-}
-
-std::string json_num(double v, int precision = 6) {
-  if (!std::isfinite(v)) return "null";
-  std::ostringstream os;
-  os.precision(precision);
-  os << v;
-  return os.str();
-}
+using bench::json_num;
+using bench::json_str;
+using bench::utc_now;
 
 // Peak allocated / reserved bytes of the CUDA caching allocator on `device` (-1 when not on CUDA).
 struct GpuMem {
