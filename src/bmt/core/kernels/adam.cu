@@ -13,6 +13,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/adam.h"
+#include "bmt/core/kernels/element_access.cuh"
 
 namespace bmt::core::kernels {
 namespace {
@@ -25,20 +26,8 @@ struct LaunchTable {
 };
 static_assert(sizeof(LaunchTable) + 32 <= 4096, "kernel parameters must fit the 4 KiB limit");
 
-template <DType D>
-__device__ __forceinline__ float load(const void* base, int64_t i) {
-  if constexpr (D == DType::kFloat32) return static_cast<const float*>(base)[i];
-  if constexpr (D == DType::kBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-  if constexpr (D == DType::kFloat16) return __half2float(static_cast<const __half*>(base)[i]);
-  return 0.0f;
-}
-
-template <DType D>
-__device__ __forceinline__ void store(void* base, int64_t i, float x) {
-  if constexpr (D == DType::kFloat32) static_cast<float*>(base)[i] = x;
-  if constexpr (D == DType::kBFloat16) static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x);
-  if constexpr (D == DType::kFloat16) static_cast<__half*>(base)[i] = __float2half_rn(x);
-}
+using detail::load;
+using detail::store;
 
 template <DType PD, DType GD>
 __global__ void __launch_bounds__(kThreads) adam_multi_kernel(LaunchTable table, float inv_scale, const int* skip) {

@@ -13,6 +13,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/cross_entropy.h"
+#include "bmt/core/kernels/element_access.cuh"
 
 namespace bmt::core::kernels {
 namespace {
@@ -21,20 +22,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kMaxBlocks = 1 << 16;
 
-template <DType D>
-__device__ __forceinline__ float load(const void* base, int64_t i) {
-  if constexpr (D == DType::kFloat32) return static_cast<const float*>(base)[i];
-  if constexpr (D == DType::kBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-  if constexpr (D == DType::kFloat16) return __half2float(static_cast<const __half*>(base)[i]);
-  return 0.0f;
-}
-
-template <DType D>
-__device__ __forceinline__ void store(void* base, int64_t i, float x) {
-  if constexpr (D == DType::kFloat32) static_cast<float*>(base)[i] = x;
-  if constexpr (D == DType::kBFloat16) static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x);
-  if constexpr (D == DType::kFloat16) static_cast<__half*>(base)[i] = __float2half_rn(x);
-}
+using detail::load;
+using detail::store;
 
 // Block-wide reductions (every thread gets the result). `scratch` holds kWarps floats; the trailing barrier lets
 // the caller reuse it at once.
