@@ -17,6 +17,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/distributed.h"
+#include "collective_dtypes.h"
 #include "run_ranks.h"
 
 namespace {
@@ -26,15 +27,8 @@ using bmt::core::DType;
 using bmt::core::ReduceOp;
 namespace bd = bmt::distributed;
 
-struct DT {
-  at::ScalarType st;
-  DType dt;
-  const char* name;
-};
-const DT kDTypes[] = {{at::kFloat, DType::kFloat32, "fp32"},
-                      {at::kHalf, DType::kFloat16, "fp16"},
-                      {at::kBFloat16, DType::kBFloat16, "bf16"},
-                      {at::kLong, DType::kInt64, "int64"}};
+using DT = bmt::testing::CollectiveDType;
+constexpr const auto& kDTypes = bmt::testing::kCollectiveDTypes;
 const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin, ReduceOp::kProd};
 
 // Initialises bmtrain once per process as a world of one over NCCL.

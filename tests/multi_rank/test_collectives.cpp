@@ -17,6 +17,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/distributed.h"
+#include "collective_dtypes.h"
 #include "run_ranks.h"
 
 namespace {
@@ -25,15 +26,8 @@ using bmt::core::Communicator;
 using bmt::core::DType;
 using bmt::core::ReduceOp;
 
-struct DT {
-  at::ScalarType st;
-  DType dt;
-  const char* name;
-};
-const DT kDTypes[] = {{at::kFloat, DType::kFloat32, "fp32"},
-                      {at::kHalf, DType::kFloat16, "fp16"},
-                      {at::kBFloat16, DType::kBFloat16, "bf16"},
-                      {at::kLong, DType::kInt64, "int64"}};
+using DT = bmt::testing::CollectiveDType;
+constexpr const auto& kDTypes = bmt::testing::kCollectiveDTypes;
 
 double big_offset(const DT& d) { return d.st == at::kLong ? 1099511627776.0 : 0.0; }  // 2^40
 

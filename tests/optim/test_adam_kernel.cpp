@@ -13,9 +13,12 @@
 #include "bmt/core/kernels/adam.h"
 #include "bmt/core/kernels/has_inf_nan.h"
 #include "bmt/core/kernels/thread_pool.h"
+#include "element_bytes.h"
 
 namespace k = bmt::core::kernels;
 using bmt::core::DType;
+using bmt::optim::testing::get_element;
+using bmt::optim::testing::put_element;
 
 namespace {
 
@@ -36,27 +39,12 @@ struct Buffers {
     if (pd != DType::kFloat32) master.resize(n);
     for (int64_t i = 0; i < n; ++i) {
       float p = dist(rng);
-      set(param.data(), pd, i, p);
-      if (pd != DType::kFloat32) master[i] = get(param.data(), pd, i);
-      set(grad.data(), gd, i, dist(rng) * 0.1f);
+      put_element(param.data(), pd, i, p);
+      if (pd != DType::kFloat32) master[i] = get_element(param.data(), pd, i);
+      put_element(grad.data(), gd, i, dist(rng) * 0.1f);
       m[i] = dist(rng) * 0.01f;
       v[i] = std::abs(dist(rng)) * 0.001f;
     }
-  }
-  static void set(uint8_t* base, DType d, int64_t i, float x) {
-    if (d == DType::kFloat32) std::memcpy(base + 4 * i, &x, 4);
-    uint16_t h = d == DType::kBFloat16 ? bmt::core::float_to_bf16_bits(x) : bmt::core::float_to_fp16_bits(x);
-    if (d != DType::kFloat32) std::memcpy(base + 2 * i, &h, 2);
-  }
-  static float get(const uint8_t* base, DType d, int64_t i) {
-    if (d == DType::kFloat32) {
-      float x;
-      std::memcpy(&x, base + 4 * i, 4);
-      return x;
-    }
-    uint16_t h;
-    std::memcpy(&h, base + 2 * i, 2);
-    return d == DType::kBFloat16 ? bmt::core::bf16_bits_to_float(h) : bmt::core::fp16_bits_to_float(h);
   }
   k::AdamTensorArgs args(double lr = 1e-2, double wd = 0.1, int64_t step = 3) {
     k::AdamTensorArgs a;
@@ -118,12 +106,12 @@ TEST(AdamKernel, FirstStepIsSignDescent) {
   std::fill(b.m.begin(), b.m.end(), 0.0f);
   std::fill(b.v.begin(), b.v.end(), 0.0f);
   std::vector<float> p0(100), g(100);
-  for (int i = 0; i < 100; ++i) p0[i] = Buffers::get(b.param.data(), DType::kFloat32, i), g[i] = Buffers::get(b.grad.data(), DType::kFloat32, i);
+  for (int i = 0; i < 100; ++i) p0[i] = get_element(b.param.data(), DType::kFloat32, i), g[i] = get_element(b.grad.data(), DType::kFloat32, i);
   auto a = b.args(1e-3, 0.01, 1);
   k::adam_cpu_range(a, 1.0f, 0, 100);
   for (int i = 0; i < 100; ++i) {
     double expect = p0[i] * (1 - 1e-3 * 0.01) - 1e-3 * g[i] / (std::abs(g[i]) + 1e-8);
-    EXPECT_NEAR(Buffers::get(b.param.data(), DType::kFloat32, i), expect, 1e-6) << i;
+    EXPECT_NEAR(get_element(b.param.data(), DType::kFloat32, i), expect, 1e-6) << i;
   }
 }
 
@@ -202,7 +190,7 @@ TEST(HasInfNanCpu, FindsInfAndNanAnywhere) {
           double y = x;
           std::memcpy(buf.data() + 8 * i, &y, 8);
         } else {
-          Buffers::set(buf.data(), d, i, x);
+          put_element(buf.data(), d, i, x);
         }
       };
       for (int64_t i = 0; i < n; ++i) put(i, 0.5f * static_cast<float>(i % 13) - 3.0f);

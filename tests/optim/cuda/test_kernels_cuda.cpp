@@ -15,9 +15,12 @@
 #include "bmt/core/kernels/adam.h"
 #include "bmt/core/kernels/has_inf_nan.h"
 #include "bmt/core/kernels/thread_pool.h"
+#include "../element_bytes.h"
 
 namespace k = bmt::core::kernels;
 using bmt::core::DType;
+using bmt::optim::testing::get_element;
+using bmt::optim::testing::put_element;
 
 namespace {
 
@@ -62,30 +65,12 @@ struct Tensor {
     v.resize(n);
     if (pd != DType::kFloat32) master.resize(n);
     for (int64_t i = 0; i < n; ++i) {
-      put(param.data(), pd, i, dist(rng));
-      if (pd != DType::kFloat32) master[i] = get(param.data(), pd, i);
-      put(grad.data(), gd, i, dist(rng) * 0.1f);
+      put_element(param.data(), pd, i, dist(rng));
+      if (pd != DType::kFloat32) master[i] = get_element(param.data(), pd, i);
+      put_element(grad.data(), gd, i, dist(rng) * 0.1f);
       m[i] = dist(rng) * 0.01f;
       v[i] = std::abs(dist(rng)) * 0.001f;
     }
-  }
-  static void put(uint8_t* base, DType d, int64_t i, float x) {
-    if (d == DType::kFloat32) {
-      std::memcpy(base + 4 * i, &x, 4);
-      return;
-    }
-    uint16_t h = d == DType::kBFloat16 ? bmt::core::float_to_bf16_bits(x) : bmt::core::float_to_fp16_bits(x);
-    std::memcpy(base + 2 * i, &h, 2);
-  }
-  static float get(const uint8_t* base, DType d, int64_t i) {
-    if (d == DType::kFloat32) {
-      float x;
-      std::memcpy(&x, base + 4 * i, 4);
-      return x;
-    }
-    uint16_t h;
-    std::memcpy(&h, base + 2 * i, 2);
-    return d == DType::kBFloat16 ? bmt::core::bf16_bits_to_float(h) : bmt::core::fp16_bits_to_float(h);
   }
   void upload() {
     auto up = [](std::unique_ptr<Dev>& d, const void* src, size_t bytes) {
@@ -216,7 +201,7 @@ TEST(CudaHasInfNan, FindsInfAndNanAndAccumulatesTheFlag) {
     for (int64_t n : {1, 255, 256, 100000}) {
       size_t nb = bmt::core::dtype_nbytes(d);
       std::vector<uint8_t> host(n * nb);
-      for (int64_t i = 0; i < n; ++i) Tensor::put(host.data(), d, i, 0.25f * static_cast<float>(i % 9) - 1.0f);
+      for (int64_t i = 0; i < n; ++i) put_element(host.data(), d, i, 0.25f * static_cast<float>(i % 9) - 1.0f);
       Dev buf(host.size()), flag(sizeof(int));
       auto check = [&](bool expect) {
         int zero = 0, got = -1;
@@ -230,9 +215,9 @@ TEST(CudaHasInfNan, FindsInfAndNanAndAccumulatesTheFlag) {
       check(false);
       for (int64_t pos : {int64_t{0}, n - 1}) {
         for (float bad : {inf, -inf, nan}) {
-          Tensor::put(host.data(), d, pos, bad);
+          put_element(host.data(), d, pos, bad);
           check(true);
-          Tensor::put(host.data(), d, pos, 0.5f);
+          put_element(host.data(), d, pos, 0.5f);
         }
       }
     }
