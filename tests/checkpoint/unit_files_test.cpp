@@ -13,6 +13,7 @@
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
 #include "bmt/core/error.h"
+#include "error_of.h"
 
 using namespace bmt::checkpoint;
 
@@ -23,15 +24,7 @@ std::string temp_dir() {
   return mkdtemp(tmpl);
 }
 
-template <typename F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const bmt::core::Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using bmt::testing::error_of;
 
 std::vector<std::pair<std::string, at::Tensor>> sample_tensors() {
   return {{"w", at::arange(12, at::kFloat).reshape({3, 4}) * 0.25 - 1},

@@ -9,20 +9,13 @@
 #include "bmt/checkpoint/safetensors_format.h"
 #include "bmt/checkpoint/slice_plan.h"
 #include "bmt/core/error.h"
+#include "error_of.h"
 
 using namespace bmt::checkpoint;
 
 namespace {
 
-template <typename F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const bmt::core::Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using bmt::testing::error_of;
 
 #define EXPECT_ERROR_HAS(stmt, text) EXPECT_NE(error_of([&] { stmt; }).find(text), std::string::npos) << error_of([&] { stmt; })
 

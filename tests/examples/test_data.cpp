@@ -10,6 +10,7 @@
 #include "bmt/core/error.h"
 #include "data/file_dataset.h"
 #include "data/synthetic_addition.h"
+#include "error_of.h"
 #include "export/safetensors.h"
 #include "train/metrics_log.h"
 #include "train/train_args.h"
@@ -42,14 +43,7 @@ std::vector<uint8_t> llmc_file(const std::vector<uint16_t>& tokens, int32_t magi
   return out;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const bmt::core::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using bmt::testing::error_of;
 
 }  // namespace
 
