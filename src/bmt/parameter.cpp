@@ -101,15 +101,6 @@ void reduce_over_tp(at::Tensor& grad_shard, TpGradReduce reduce) {
                 to_core_dtype(grad_shard.scalar_type()), op, current_stream_handle(grad_shard));
 }
 
-const char* tp_grad_reduce_name(TpGradReduce r) {
-  switch (r) {
-    case TpGradReduce::kNone: return "none";
-    case TpGradReduce::kSum: return "sum";
-    case TpGradReduce::kAvg: return "avg";
-  }
-  return "?";
-}
-
 std::vector<int64_t> ParamMeta::logical_shape() const {
   std::vector<int64_t> s = full_shape;
   if (is_tp_split()) s[static_cast<size_t>(tp_split_dim)] *= tp_size;

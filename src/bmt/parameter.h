@@ -46,7 +46,6 @@ InitMethod xavier_normal();
 }  // namespace init
 
 enum class TpGradReduce { kNone, kSum, kAvg };
-const char* tp_grad_reduce_name(TpGradReduce r);
 
 struct ParamMeta {
   std::vector<int64_t> full_shape;  // this tp rank's piece (the logical shape unless TP-split)
