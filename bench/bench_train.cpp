@@ -47,6 +47,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #ifdef BMT_WITH_CUDA
@@ -54,6 +55,7 @@
 #endif
 
 #include "bench_env.h"
+#include "gpu_profile.h"
 #include "bmt/block.h"
 #include "bmt/init.h"
 #include "bmt/optim/adam.h"
@@ -85,6 +87,9 @@ struct Args {
   int zero = 3;
   int tp = 1;
   bool offload_blocks_only = false;  // --offload-blocks: CPU Adam for Block parameters, GPU Adam for the rest
+  int64_t offload_gpu_blocks = 0;    // --offload-gpu-blocks K: also the first K Blocks keep GPU Adam
+  bool offload_grad_bf16 = false;    // --offload-grad-bf16: gradients cross the bus in bf16
+  bool profile = false;              // --profile: 2 more steps under the Kineto profiler (GPU busy/idle, kernels)
   std::string json_path;
   std::string device = "auto";  // plain only
   std::string plain_adamw = "fused";
@@ -99,6 +104,9 @@ const char* kUsage =
     "                       [--plain-adamw fused|torch] [--autocast auto|on|off (plain, bf16)] [--raw-step (bmt)]\n"
     "                       [--no-overlap (offload: update every Block after the backward)]\n"
     "                       [--offload-blocks (CPU Adam for the Blocks' parameters only, GPU Adam for the rest)]\n"
+    "                       [--offload-gpu-blocks K (--offload-blocks, and the first K Blocks keep GPU Adam too)]\n"
+    "                       [--offload-grad-bf16 (offload: gradients cross the bus rounded to bf16)]\n"
+    "                       [--profile (2 extra steps under the profiler: GPU busy vs idle, top kernels)]\n"
     "                       [--force (skip the host memory check)]\n"
     "                       [--seed S] [--tp N (bmt: tensor parallelism; run under bmtrun with N | world)]\n";
 
@@ -138,6 +146,11 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--checkpointing") a.checkpointing = true;
     else if (f == "--offload") a.offload = true;
     else if (f == "--offload-blocks") a.offload = a.offload_blocks_only = true;
+    else if (f == "--offload-gpu-blocks") {
+      a.offload = a.offload_blocks_only = true;
+      a.offload_gpu_blocks = to_int(f, need(i));
+    } else if (f == "--offload-grad-bf16") a.offload_grad_bf16 = true;
+    else if (f == "--profile") a.profile = true;
     else if (f == "--raw-step") a.raw_step = true;
     else if (f == "--no-overlap") a.no_overlap = true;
     else if (f == "--force") a.force = true;
@@ -153,6 +166,8 @@ Args parse_args(int argc, char** argv) {
     throw std::invalid_argument("--framework must be bmt or plain, got '" + a.framework + "'");
   if (a.zero != 2 && a.zero != 3) throw std::invalid_argument("--zero must be 2 or 3");
   if (a.offload_blocks_only && a.raw_step) throw std::invalid_argument("--offload-blocks needs the OptimManager (no --raw-step)");
+  if (a.offload_gpu_blocks < 0) throw std::invalid_argument("--offload-gpu-blocks must be >= 0");
+  if (a.offload_grad_bf16 && !a.offload) throw std::invalid_argument("--offload-grad-bf16 needs --offload");
   if (a.tp < 1 || (a.tp > 1 && a.framework != "bmt")) throw std::invalid_argument("--tp N (>= 1) is for --framework bmt");
   if (a.steps < 1 || a.warmup < 0) throw std::invalid_argument("--steps must be >= 1 and --warmup >= 0");
   if (a.seq < 0 || a.batch < 0) throw std::invalid_argument("--seq and --batch must be positive");
@@ -285,10 +300,22 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   }
   r.precision = std::string(dtype == at::kBFloat16 ? "bf16" : "fp32") + " params, fp32 grads/master";
 
-  std::vector<at::Tensor> params, gpu_params;  // gpu_params: --offload-blocks keeps non-Block parameters on the GPU
-  for (const auto& p : model->parameters()) {
-    if (a.offload_blocks_only && bmt::meta_of(p).block == nullptr) gpu_params.push_back(p);
-    else params.push_back(p);
+  // gpu_params: --offload-blocks keeps non-Block parameters on the GPU, --offload-gpu-blocks K also layers.0..K-1
+  // (updated last in the backward, needed first in the next forward).
+  std::vector<at::Tensor> params, gpu_params;
+  std::unordered_set<const bmt::Block*> offloaded_blocks;
+  for (const auto& item : model->named_parameters()) {
+    const at::Tensor& p = item.value();
+    const bmt::Block* block = bmt::meta_of(p).block;
+    bool on_gpu = a.offload_blocks_only && block == nullptr;
+    if (a.offload_gpu_blocks > 0 && block != nullptr && item.key().rfind("layers.", 0) == 0)
+      on_gpu = std::stoll(item.key().substr(7)) < a.offload_gpu_blocks;
+    if (on_gpu) {
+      gpu_params.push_back(p);
+    } else {
+      params.push_back(p);
+      if (block != nullptr) offloaded_blocks.insert(block);
+    }
   }
   if (a.offload && r.device.is_cuda()) {
     // Host bytes the offloaded state needs: fp32 master (half params) + two fp32 moments + pinned staging for the
@@ -311,12 +338,14 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   int hook = -1;
   if (a.offload) {
     auto offload = std::make_shared<bmt::optim::AdamOffloadOptimizer>(params, opts);
+    if (a.offload_grad_bf16) offload->set_grad_transfer_dtype(at::kBFloat16);
     optimizer = offload;
-    r.optimizer = "AdamOffloadOptimizer";
+    r.optimizer = std::string("AdamOffloadOptimizer") + (a.offload_grad_bf16 ? " (bf16 gradient transfer)" : "");
     if (!a.no_overlap) {
       // Start each Block's CPU update as soon as its gradients are reduced, while the rest of the backward runs.
       auto counter = r.early_started;
-      hook = bmt::add_grad_ready_hook([offload, counter](bmt::Block& b) {
+      hook = bmt::add_grad_ready_hook([offload, counter, offloaded_blocks](bmt::Block& b) {
+        if (!offloaded_blocks.count(&b)) return;  // a Block kept on the GPU optimizer
         bmt::wait_for_gradient_reduction();
         offload->step_params(b.module()->parameters());
         ++*counter;
@@ -328,13 +357,16 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     r.optimizer = "AdamOptimizer";
   }
   auto manager = std::make_shared<bmt::optim::OptimManager>();  // loss scaling off (bf16 / fp32)
-  manager->add_optimizer(optimizer);
   std::shared_ptr<bmt::optim::BmtOptimizer> gpu_optimizer;
   if (!gpu_params.empty()) {
+    // Stepped first: its kernels are queued before step() blocks on the CPU updates, so they overlap them.
     gpu_optimizer = std::make_shared<bmt::optim::AdamOptimizer>(gpu_params, opts);
     manager->add_optimizer(gpu_optimizer);
-    r.optimizer += " for Blocks + AdamOptimizer for the rest";
+    r.optimizer += a.offload_gpu_blocks > 0
+                       ? " for layers." + std::to_string(a.offload_gpu_blocks) + "+ and AdamOptimizer for the rest"
+                       : " for Blocks + AdamOptimizer for the rest";
   }
+  manager->add_optimizer(optimizer);
   if (a.raw_step) r.optimizer += " (raw step)";
   else r.optimizer += " + OptimManager";
 
@@ -420,7 +452,11 @@ int run(const Args& a) {
   if (a.framework == "bmt" && a.zero != 3) config += " zero" + std::to_string(a.zero);
   if (a.tp > 1) config += " tp" + std::to_string(a.tp);
   if (a.checkpointing) config += " ckpt";
-  if (a.offload) config += a.offload_blocks_only ? " offload-blocks" : " offload";
+  if (a.offload) {
+    if (a.offload_gpu_blocks > 0) config += " offload-gpu-blocks" + std::to_string(a.offload_gpu_blocks);
+    else config += a.offload_blocks_only ? " offload-blocks" : " offload";
+    if (a.offload_grad_bf16) config += " grad-bf16";
+  }
   std::printf("bench_train: %s | %s | %s on %s | %.1fM params (%.1fM matmul), %.3g GFLOP/token | %s | %s\n",
               a.framework.c_str(), config.c_str(), shape.model.describe().c_str(), r.device.str().c_str(),
               static_cast<double>(r.num_params) / 1e6, static_cast<double>(r.num_matmul_params) / 1e6,
@@ -453,6 +489,17 @@ int run(const Args& a) {
     sync();
     times.push_back(now_s() - t0);
   }
+  const int64_t early_started = *r.early_started;  // before the profiled steps add theirs
+  std::string profile_json = "null";
+  if (a.profile) {
+    // After the timed steps, so the profiler's overhead never touches the figures above.
+    bench::GpuProfile profiler;
+    profiler.start();
+    for (int64_t i = 0; i < 2; ++i) r.step(batches[static_cast<size_t>((a.warmup + a.steps + i) % distinct)]);
+    bench::GpuProfileSummary summary = profiler.stop();
+    std::printf("profile of 2 steps:\n%s", summary.table().c_str());
+    profile_json = summary.json();
+  }
   double total = 0;
   for (double t : times) total += t;
   std::vector<double> sorted = times;
@@ -470,7 +517,7 @@ int run(const Args& a) {
 
   std::printf("bench_train: setup %.1f s, warm-up %ld steps %.1f s; loss %.4f -> %.4f", t_setup,
               static_cast<long>(a.warmup), t_warmup, loss_first, loss_last);
-  const double early_per_step = static_cast<double>(*r.early_started) / static_cast<double>(a.warmup + a.steps);
+  const double early_per_step = static_cast<double>(early_started) / static_cast<double>(a.warmup + a.steps);
   if (a.offload) std::printf("; %.1f Blocks per step updated during the backward", early_per_step);
   std::printf("\nlosses:");
   for (const at::Tensor& l : losses) std::printf(" %.4f", l.item<double>());
@@ -503,6 +550,7 @@ int run(const Args& a) {
       << ",\"host_peak_gib\":" << json_num(host_peak_gib, 4) << ",\"loss_first\":" << json_num(loss_first)
       << ",\"loss_last\":" << json_num(loss_last) << ",\"precision\":" << json_str(r.precision)
       << ",\"optimizer\":" << json_str(r.optimizer) << ",\"offload_early_blocks_per_step\":" << json_num(early_per_step)
+      << ",\"profile\":" << profile_json << ",\"offload_gpu_blocks\":" << a.offload_gpu_blocks << ",\"offload_grad_bf16\":" << (a.offload_grad_bf16 ? "true" : "false")
       << "}";
     std::ofstream out(a.json_path, std::ios::app);
     if (!out) throw std::runtime_error("cannot open --json file " + a.json_path);

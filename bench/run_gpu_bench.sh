@@ -90,6 +90,9 @@ CONFIGS=(
   "bmt_1p3b|180|bmt|gpt-1.3b|2048|8|2|5|"
   "bmt_1p3b_ckpt|180|bmt|gpt-1.3b|2048|8|2|5|--checkpointing"
   "bmt_1p3b_offload|240|bmt|gpt-1.3b|2048|8|2|4|--offload"
+  "bmt_1p3b_offload_bf16g|240|bmt|gpt-1.3b|2048|8|2|4|--offload --offload-grad-bf16"
+  "bmt_1p3b_offload_gpu4|240|bmt|gpt-1.3b|2048|8|2|4|--offload-gpu-blocks 4"
+  "bmt_1p3b_offload_gpu8|240|bmt|gpt-1.3b|2048|8|2|4|--offload-gpu-blocks 8"
   "plain_124m|120|plain|gpt2-124m|1024|16|3|10|"
   "fsdp2_124m|150|fsdp2|gpt2-124m|1024|16|3|10|"
   "plain_1p3b|180|plain|gpt-1.3b|2048|8|2|5|"
@@ -106,6 +109,8 @@ for c in "${CONFIGS[@]}"; do
     preset=tiny seq=64 batch=2 warm=1 steps=2
     [ -z "$gpu_name" ] && dev=(--device cpu)
   fi
+  # BENCH_PROFILE=1: bmt runs also profile 2 steps after the timed ones (GPU busy vs idle, top kernels)
+  [ "$fw" = bmt ] && [ "${BENCH_PROFILE:-0}" = 1 ] && extra="$extra --profile"
   # shellcheck disable=SC2206
   flags=(--preset "$preset" --seq "$seq" --batch "$batch" --warmup "$warm" --steps "$steps" $extra)
   if [ "$fw" = fsdp2 ]; then
@@ -148,6 +153,9 @@ ROWS = [("gpt2-124m T1024 B16", "124m", ["bmt_124m", "plain_124m", "fsdp2_124m"]
         ("gpt-1.3b T2048 B8", "1p3b", ["bmt_1p3b", "plain_1p3b", "fsdp2_1p3b"]),
         ("gpt-1.3b T2048 B8 ckpt", "1p3b_ckpt", ["bmt_1p3b_ckpt", "plain_1p3b_ckpt", "fsdp2_1p3b_ckpt"]),
         ("gpt-1.3b T2048 B8 offload", "1p3b", ["bmt_1p3b_offload"]),
+        ("  + bf16 grad transfer", "1p3b", ["bmt_1p3b_offload_bf16g"]),
+        ("  layers.0-3 on GPU Adam", "1p3b", ["bmt_1p3b_offload_gpu4"]),
+        ("  layers.0-7 on GPU Adam", "1p3b", ["bmt_1p3b_offload_gpu8"]),
         ("llama-7b T2048 B2 off+ckpt", None, ["bmt_7b_offload_ckpt"])]
 NAMES = {"bmt": "bmtrain", "plain": "plain", "fsdp2": "fsdp2"}
 
@@ -163,7 +171,7 @@ def target(rid):
         return ">=58.5K, <=51.7GiB", (r and r["tokens_per_s"] >= 58.5e3 and (r["peak_gpu_gib"] or 1e9) <= 51.7)
     if rid == "bmt_1p3b_ckpt":
         return ">=47.7K, <=29GiB", (r and r["tokens_per_s"] >= 47.7e3 and (r["peak_gpu_gib"] or 1e9) <= 29.0)
-    if rid == "bmt_1p3b_offload":
+    if rid.startswith("bmt_1p3b_offload"):
         base = res.get("bmt_1p3b")
         if not (r and base):
             return ">=0.77x no-offload", None

@@ -104,13 +104,20 @@ at::Tensor LanguageModel::tp_forward(const at::Tensor& ids) {
 }
 
 at::Tensor LanguageModel::loss(const at::Tensor& ids, const at::Tensor& targets) {
-  if (bmt::config().tp_size <= 1) return lm_loss(forward(ids), targets);
   BMT_CHECK(targets.sizes() == ids.sizes(), "model: targets of shape ", targets.sizes(), " for ids of shape ",
             ids.sizes());
+  bmt::loss::FusedCrossEntropyOptions o;
+  if (bmt::config().tp_size <= 1) {
+    // The fused kernel keeps only the parameter-dtype logits for the backward and writes the gradient over them;
+    // the unfused fp32 path (lm_loss) holds several fp32 copies of the (B·T, V) logits at the memory peak.
+    o.inplace = true;
+    at::Tensor logits = forward(ids);
+    return bmt::loss::fused_cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}).to(at::kLong),
+                                          o);
+  }
   TokenRows rows = token_rows(ids);
   at::Tensor logits = logit_rows(rows);
   at::Tensor t = targets.reshape({-1}).to(at::kLong);
-  bmt::loss::FusedCrossEntropyOptions o;
   if (rows.padded_rows > rows.rows)
     t = at::cat({t, at::full({rows.padded_rows - rows.rows}, o.ignore_index, t.options())});
   o.parallel = true;

@@ -72,9 +72,9 @@ class LanguageModel : public torch::nn::Module {
   virtual at::Tensor forward(const at::Tensor& ids) = 0;
   virtual const ModelConfig& config() const = 0;
 
-  // Mean next-token cross-entropy in fp32 of targets (B, T) after ids (B, T): lm_loss(forward(ids), targets) at
-  // tp_size 1; the vocabulary-parallel fused cross-entropy at tp_size > 1 (the full logits never exist; the same
-  // value on every tp rank).
+  // Mean next-token cross-entropy in fp32 of targets (B, T) after ids (B, T), with bmt::loss::fused_cross_entropy:
+  // at tp_size 1 on the whole logits (in-place backward; equal to lm_loss(forward(ids), targets) to fp32 rounding),
+  // at tp_size > 1 vocabulary-parallel (the full logits never exist; the same value on every tp rank).
   at::Tensor loss(const at::Tensor& ids, const at::Tensor& targets);
   // forward()'s logits (..., V or V / tp) -> the argmax over the whole vocabulary (...) int64 (collective over tp).
   at::Tensor argmax_vocab(const at::Tensor& logits);

@@ -58,6 +58,14 @@ void restore_rng(const RngState& s) {
   }
 }
 
+// Frees the bytes of t's storage but keeps the storage object, so that views autograd saved in forward
+// (ZeRO-3 without checkpointing) stay valid handles and see the data again once the storage is refilled.
+void free_bytes(const at::Tensor& t) {
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));  // the allocator honours record_stream uses
+  impl->set_nbytes(0);
+}
+
 }  // namespace
 
 struct Block::Group {
@@ -69,6 +77,7 @@ struct Block::Group {
   at::Tensor shard;
   at::Tensor grad_shard;          // allocated when some parameter of the group requires grad
   at::Tensor full;                // gathered buffer (only between gather and release)
+  at::Tensor full_store;          // the one storage `full` uses (several ranks); its bytes are freed on release
   at::Tensor deferred_grad_full;  // accumulation while GradSyncGuard defers reduction
   std::optional<c10::Event> ready;  // recorded on the comm stream when `full` is complete
 };
@@ -221,7 +230,13 @@ int64_t Block::shard_nbytes() const {
 int64_t Block::full_nbytes() const {
   int64_t n = 0;
   for (auto& g : groups_)
-    if (g->full.defined()) n += g->full.nbytes();
+    if (g->full.defined() && !g->full.is_same(g->shard)) n += g->full.nbytes();
+  return n;
+}
+int64_t Block::gathered_storage_nbytes() const {
+  int64_t n = 0;
+  for (auto& g : groups_)
+    if (g->full_store.defined()) n += static_cast<int64_t>(g->full_store.storage().nbytes());
   return n;
 }
 int64_t Block::grad_nbytes() const {
@@ -233,6 +248,21 @@ int64_t Block::grad_nbytes() const {
   return n;
 }
 
+at::Tensor Block::materialize_full(Group& g) {
+  const int64_t numel = g.partition_numel * g.comm->size();
+  if (!g.full_store.defined()) {
+    g.full_store = at::empty({numel}, g.shard.options());
+    return g.full_store;
+  }
+  c10::StorageImpl* impl = g.full_store.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(numel) * g.full_store.element_size();
+  if (impl->nbytes() == 0) {  // freed by release(): allocate again (on the current stream) into the same storage
+    impl->set_data_ptr_noswap(impl->allocator()->allocate(nbytes));
+    impl->set_nbytes(nbytes);
+  }
+  return g.full_store;
+}
+
 void Block::gather_buffers() {
   if (buffers_ready_) return;
   auto calc = compute_stream();
@@ -240,9 +270,15 @@ void Block::gather_buffers() {
   stream_wait(comm_s, calc);  // the shards may have just been updated by the optimizer
   for (auto& g : groups_) {
     const int ws = g->comm->size();
+    if (ws == 1) {
+      // One rank: the shard is the whole buffer. Aliasing it costs no copy and no memory, and views autograd
+      // saves in forward point at storage that lives anyway.
+      g->full = g->shard;
+      continue;
+    }
     std::optional<c10::StreamGuard> guard;
     if (comm_s) guard.emplace(*comm_s);
-    g->full = at::empty({g->partition_numel * ws}, g->shard.options());
+    g->full = materialize_full(*g);
     g->comm->all_gather(g->shard.data_ptr(), g->full.data_ptr(), g->partition_numel, to_core_dtype(g->dtype),
                         comm_s ? comm_s->native_handle() : nullptr);
     if (comm_s) {
@@ -288,6 +324,7 @@ void Block::release() {
   if (!buffers_ready_) return;
   memory::add_full_bytes(-full_nbytes());
   for (auto& g : groups_) {
+    if (g->full.defined() && !g->full.is_same(g->shard)) free_bytes(g->full);
     g->full = at::Tensor();
     g->ready.reset();
   }
@@ -403,6 +440,23 @@ std::vector<at::Tensor> Block::run_backward(CallState& state, const std::vector<
   return input_grads;
 }
 
+at::Tensor Block::packed_gradient(const Group& g, size_t gi, const std::vector<at::Tensor>& param_grads) const {
+  // Every element is written once: parameter gradients (zeros where a parameter got none) and the alignment gaps.
+  at::Tensor flat = at::empty({g.partition_numel * g.comm->size()}, g.grad_shard.options());
+  int64_t filled = 0;  // slots of a group are laid out in increasing offsets
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = *slots_[i];
+    if (s.group != gi) continue;
+    if (s.offset > filled) flat.narrow(0, filled, s.offset - filled).zero_();
+    at::Tensor dst = flat.narrow(0, s.offset, s.numel);
+    if (param_grads[i].defined()) dst.copy_(param_grads[i].reshape({-1}));
+    else dst.zero_();
+    filled = s.offset + s.numel;
+  }
+  if (flat.numel() > filled) flat.narrow(0, filled, flat.numel() - filled).zero_();
+  return flat;
+}
+
 void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
   auto calc = compute_stream();
   auto comm_s = comm_stream();
@@ -413,10 +467,14 @@ void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
     if (!any && !g.deferred_grad_full.defined()) continue;
     const at::ScalarType rdt = g.grad_shard.scalar_type();
     const int ws = g.comm->size();
-    at::Tensor flat = at::zeros({g.partition_numel * ws}, g.grad_shard.options());
-    for (size_t i = 0; i < slots_.size(); ++i)
-      if (slots_[i]->group == gi && param_grads[i].defined())
-        flat.narrow(0, slots_[i]->offset, slots_[i]->numel).copy_(param_grads[i].reshape({-1}));
+    if (ws == 1 && grad_sync_enabled() && !g.deferred_grad_full.defined() && g.tp_grad_reduce == TpGradReduce::kNone) {
+      // One rank, nothing to reduce: accumulate straight into the shard (same layout), on the compute stream.
+      for (size_t i = 0; i < slots_.size(); ++i)
+        if (slots_[i]->group == gi && param_grads[i].defined())
+          g.grad_shard.narrow(0, slots_[i]->offset, slots_[i]->numel).add_(param_grads[i].reshape({-1}));
+      continue;
+    }
+    at::Tensor flat = packed_gradient(g, gi, param_grads);
     if (!grad_sync_enabled()) {
       if (!g.deferred_grad_full.defined()) {
         g.deferred_grad_full = flat;

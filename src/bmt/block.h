@@ -71,6 +71,9 @@ class Block : public std::enable_shared_from_this<Block> {
   int64_t shard_nbytes() const;
   int64_t full_nbytes() const;
   int64_t grad_nbytes() const;
+  // Bytes held by the gathered buffers' storage, including storage that only autograd's saved views still
+  // reference (ZeRO-3 without checkpointing frees it after forward and refills it before backward): 0 after release.
+  int64_t gathered_storage_nbytes() const;
   // Full value of one of this block's parameters (a copy; collective over the block's communicator).
   at::Tensor gather_param_copy(const at::Tensor& param);
   // Writes this rank's part of `full` into one of this block's parameters.
@@ -87,8 +90,9 @@ class Block : public std::enable_shared_from_this<Block> {
   struct Slot;
   void build_storage();
   void gather_buffers();
+  static at::Tensor materialize_full(Group& g);
   void reduce_gradients(const std::vector<at::Tensor>& param_grads);
-  void flush_deferred_gradients();
+  at::Tensor packed_gradient(const Group& g, size_t group_index, const std::vector<at::Tensor>& param_grads) const;
 
   std::shared_ptr<torch::nn::Module> module_;
   BlockForward forward_fn_;

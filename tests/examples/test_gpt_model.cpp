@@ -99,7 +99,9 @@ TEST(GptModel, ForwardAndGradientsMatchPlainLibTorch) {
     at::Tensor short_ids = x.narrow(1, 0, 5);
     EXPECT_LT((model.forward(short_ids.to(dev)).cpu() - reference_logits(c, P, short_ids)).abs().max().item<double>(), 1e-5);
 
-    at::Tensor loss = examples::lm_loss(ours, y.to(dev)), ref_loss = examples::lm_loss(ref, y);
+    // model.loss: the fused cross-entropy with its in-place backward (what training runs).
+    at::Tensor loss = model.loss(x.to(dev), y.to(dev)), ref_loss = examples::lm_loss(ref, y);
+    EXPECT_NEAR(examples::lm_loss(ours, y.to(dev)).item<double>(), ref_loss.item<double>(), 1e-5);
     EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-5);
     loss.backward();
     ref_loss.backward();

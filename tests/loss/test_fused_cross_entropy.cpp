@@ -120,6 +120,30 @@ TEST(FusedCrossEntropy, ModuleWrapperAndNonContiguousInput) {
   EXPECT_TRUE(at::allclose(xt.grad(), xr.grad(), 1e-5, 1e-6));
 }
 
+// inplace: the gradient is written over the logits (no second (N, C) buffer) and equals the out-of-place one.
+TEST(FusedCrossEntropy, InplaceBackwardWritesTheGradientOverTheLogits) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    at::manual_seed(5);
+    at::Tensor base = at::randn({23, 40}).to(dtype);
+    at::Tensor target = at::randint(0, 40, {23}, at::kLong);
+    target[3] = -100;
+    FusedCrossEntropyOptions o;
+    at::Tensor x1 = base.clone().requires_grad_(true), x2 = base.clone().requires_grad_(true);
+    at::Tensor logits1 = x1 * 2, logits2 = x2 * 2;  // non-leaf logits, as a model's output
+    bmt::loss::fused_cross_entropy(logits1, target, o).backward();
+    o.inplace = true;
+    at::Tensor loss2 = bmt::loss::fused_cross_entropy(logits2, target, o);
+    const void* before = logits2.data_ptr();
+    loss2.backward();
+    EXPECT_EQ(logits2.data_ptr(), before);
+    EXPECT_TRUE(at::equal(x1.grad(), x2.grad())) << "in place changed the gradient";
+    // The logits' memory now holds d loss / d logits = x.grad / 2.
+    EXPECT_TRUE(at::equal(logits2.detach() * 2, x2.grad()));
+    EXPECT_FALSE(at::equal(logits1.detach(), logits2.detach()));
+  }
+}
+
 TEST(FusedCrossEntropy, RejectsBadArguments) {
   auto message = [](const at::Tensor& x, const at::Tensor& t, FusedCrossEntropyOptions o = {}) -> std::string {
     try {

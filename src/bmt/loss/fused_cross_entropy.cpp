@@ -76,7 +76,7 @@ void run_backward(const k::CrossEntropyArgs& a, const at::Tensor& logits, const 
 struct FusedCrossEntropyFn : torch::autograd::Function<FusedCrossEntropyFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target,
                             int64_t ignore_index, int64_t reduction, double label_smoothing, int64_t vocab_begin,
-                            int64_t vocab_total, int64_t comm_ptr) {
+                            int64_t vocab_total, int64_t comm_ptr, bool inplace) {
     const int64_t n = logits.size(0);
     const auto a = kernel_args(logits, target, vocab_begin, vocab_total, ignore_index);
     at::Tensor stats = at::empty({k::kCrossEntropyNumStats, n}, logits.options().dtype(at::kFloat));
@@ -110,6 +110,7 @@ struct FusedCrossEntropyFn : torch::autograd::Function<FusedCrossEntropyFn> {
     ctx->saved_data["label_smoothing"] = label_smoothing;
     ctx->saved_data["vocab_begin"] = vocab_begin;
     ctx->saved_data["vocab_total"] = vocab_total;
+    ctx->saved_data["inplace"] = inplace;
     if (static_cast<Reduction>(reduction) == Reduction::kNone) return rows_loss;
     if (static_cast<Reduction>(reduction) == Reduction::kSum) return rows_loss.sum();
     return rows_loss.sum() / count.clamp_min(1.0f);  // mean; no valid row: 0, not NaN
@@ -125,11 +126,14 @@ struct FusedCrossEntropyFn : torch::autograd::Function<FusedCrossEntropyFn> {
     at::Tensor grad_row = reduction == Reduction::kNone ? g.contiguous() : g.expand({n}).contiguous();
     const auto a = kernel_args(logits, target, ctx->saved_data["vocab_begin"].toInt(),
                                ctx->saved_data["vocab_total"].toInt(), ctx->saved_data["ignore_index"].toInt());
-    at::Tensor grad_logits = at::empty_like(logits, at::MemoryFormat::Contiguous);
+    // In place: each element is read and then overwritten by the same thread (cross_entropy.h), and the logits
+    // are not needed after this.
+    at::Tensor grad_logits = ctx->saved_data["inplace"].toBool() ? logits
+                                                                  : at::empty_like(logits, at::MemoryFormat::Contiguous);
     run_backward(a, logits, row_max, row_sumexp, grad_row,
                  static_cast<float>(ctx->saved_data["label_smoothing"].toDouble()), grad_logits);
     return {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -211,7 +215,7 @@ at::Tensor fused_cross_entropy(const at::Tensor& logits_in, const at::Tensor& ta
   }
   return FusedCrossEntropyFn::apply(logits, tgt, options.ignore_index, static_cast<int64_t>(options.reduction),
                                     options.label_smoothing, slice.begin, slice.total,
-                                    reinterpret_cast<int64_t>(slice.comm));
+                                    reinterpret_cast<int64_t>(slice.comm), options.inplace);
 }
 
 }  // namespace bmt::loss

@@ -33,6 +33,10 @@ struct FusedCrossEntropyOptions {
   Reduction reduction = Reduction::kMean;
   double label_smoothing = 0.0;
   bool parallel = false;  // logits are this tp rank's vocabulary slice; reduce over bmt::config().tp_comm
+  // The backward writes the gradient into the logits' memory instead of a new (N, C) tensor (BMTrain's `inplace`):
+  // saves one logits-sized buffer at the memory peak. The logits then hold the gradient after backward, so use it
+  // only when nothing reads them later (a language model's loss). Non-contiguous or fp64 logits get a private copy.
+  bool inplace = false;
 };
 
 // logits (N, C), target (N,) int64 -> fp32 loss (scalar, or (N,) for kNone). Differentiable in logits.

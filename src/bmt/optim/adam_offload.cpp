@@ -113,6 +113,12 @@ void AdamOffloadOptimizer::start_one(const at::Tensor& p, const AdamOptions& o, 
   }
 #ifdef BMT_WITH_CUDA
   BMT_CHECK(p.is_cuda(), "AdamOffloadOptimizer: parameters on ", p.device(), " are not supported (CPU or CUDA)");
+  const c10::DeviceIndex device = p.device().index();
+  c10::cuda::CUDAGuard guard(device);
+  if (grad_transfer_dtype_ && grad.scalar_type() != *grad_transfer_dtype_) {
+    grad = grad.to(*grad_transfer_dtype_);  // rounded on the compute stream, before the event below
+    in_flight_.push_back(grad);
+  }
   auto& slot = staging_[p.unsafeGetTensorImpl()];
   if (!slot || slot->grad_host.scalar_type() != grad.scalar_type()) {
     slot = std::make_unique<Staging>();
@@ -121,10 +127,9 @@ void AdamOffloadOptimizer::start_one(const at::Tensor& p, const AdamOptions& o, 
     slot->param_host = at::empty(p.sizes(), host.dtype(p.scalar_type()));
   }
   Staging* st = slot.get();
-  const c10::DeviceIndex device = p.device().index();
-  c10::cuda::CUDAGuard guard(device);
   c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device);
   c10::cuda::CUDAStream copy = cuda_->copy_stream(device);
+  if (grad_transfer_dtype_) grad.record_stream(copy);  // a temporary read by the copy stream
   at::cuda::CUDAEvent grads_ready;
   grads_ready.record(compute);
   grads_ready.block(copy);
@@ -149,6 +154,15 @@ void AdamOffloadOptimizer::start_one(const at::Tensor& p, const AdamOptions& o, 
   BMT_ERROR("AdamOffloadOptimizer: parameters on ", p.device(),
             " need a bmtrain build with CUDA (BMT_WITH_CUDA); this build handles CPU parameters only");
 #endif
+}
+
+void AdamOffloadOptimizer::set_grad_transfer_dtype(std::optional<at::ScalarType> dtype) {
+  BMT_CHECK(!dtype || *dtype == at::kFloat || *dtype == at::kBFloat16 || *dtype == at::kHalf,
+            "AdamOffloadOptimizer::set_grad_transfer_dtype: ", c10::toString(*dtype),
+            " is not supported; use kFloat, kBFloat16 or kHalf (or nullopt for the gradient's own dtype)");
+  BMT_CHECK(started_.empty(), "AdamOffloadOptimizer::set_grad_transfer_dtype: updates of this iteration are "
+            "running; call it before the backward or after step()");
+  grad_transfer_dtype_ = dtype;
 }
 
 void AdamOffloadOptimizer::step_params(const std::vector<size_t>& flat_indices, double loss_scale) {

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <unordered_set>
 
 #include "bmt/core/kernels/thread_pool.h"
@@ -45,6 +46,12 @@ class AdamOffloadOptimizer : public AdamBase {
   void wait();
   // Parameters started in the current iteration.
   size_t num_started() const { return started_.size(); }
+  // The dtype in which CUDA gradients cross the bus and reach the CPU kernel. Default (nullopt): the gradient's
+  // own dtype, exact (fp32 gradient shards of bf16 parameters). kBFloat16 / kHalf: the GPU rounds the gradient
+  // first, as BMTrain's offload does: half the bus bytes and 2 fewer host-memory bytes per parameter and step (the
+  // CPU update is host-bandwidth bound), at the cost of a gradient rounded to 8 (bf16) or 11 (fp16) bits.
+  void set_grad_transfer_dtype(std::optional<at::ScalarType> dtype);
+  std::optional<at::ScalarType> grad_transfer_dtype() const { return grad_transfer_dtype_; }
   // Waits for running updates first. (state_dict() does not wait: call it after step().)
   void load_state_dict(const StateDict& sd) override;
 
@@ -66,6 +73,7 @@ class AdamOffloadOptimizer : public AdamBase {
   std::vector<at::Tensor> in_flight_;  // gradients / parameters read by running tasks
   std::unordered_map<const void*, std::unique_ptr<Staging>> staging_;
   std::unique_ptr<CudaStreams> cuda_;
+  std::optional<at::ScalarType> grad_transfer_dtype_;
 };
 
 }  // namespace bmt::optim

@@ -6,6 +6,7 @@
 
 #include <limits>
 
+#include "bmt/core/error.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/grad_utils.h"
@@ -62,6 +63,38 @@ TEST(CudaOptim, AdamAndOffloadOnGpuMatchCpuBitwise) {
       EXPECT_TRUE(at::equal(cpu[i], off[i].cpu())) << c10::toString(dt) << " AdamOffloadOptimizer param " << i;
       for (auto* v : {&cpu, &gpu, &off}) bmt::forget_param((*v)[i]);
     }
+  }
+}
+
+// set_grad_transfer_dtype(kBFloat16): fp32 main gradients are rounded to bf16 on the GPU before the copy, so the
+// result equals the CPU optimizer fed the same gradients rounded to bf16 (bit for bit: the same CPU kernel).
+TEST(CudaOptim, OffloadBf16GradTransferEqualsRoundedGradients) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  auto cpu = make_params(kShapes, at::kBFloat16, 52);
+  auto off = to_cuda(cpu);
+  AdamOptions opts(1e-3, {0.9, 0.95}, 1e-8, 0.1);
+  AdamOptimizer ref(cpu, opts);
+  AdamOffloadOptimizer offload(off, opts);
+  offload.set_grad_transfer_dtype(at::kBFloat16);
+  EXPECT_THROW(offload.set_grad_transfer_dtype(at::kInt), bmt::core::Error);
+  bool differs_from_fp32 = false;
+  for (int step = 0; step < 4; ++step) {
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      at::Tensor g = at::randn(cpu[i].sizes());
+      differs_from_fp32 = differs_from_fp32 || !at::equal(g, g.to(at::kBFloat16).to(at::kFloat));
+      bmt::set_main_grad(cpu[i], g.to(at::kBFloat16).to(at::kFloat));
+      bmt::set_main_grad(off[i], g.to(at::kCUDA));
+    }
+    ref.step();
+    offload.step_params(std::vector<size_t>{0, 3});
+    offload.step();
+  }
+  torch::cuda::synchronize();
+  EXPECT_TRUE(differs_from_fp32);
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    EXPECT_TRUE(at::equal(cpu[i], off[i].cpu())) << "param " << i;
+    bmt::forget_param(cpu[i]);
+    bmt::forget_param(off[i]);
   }
 }
 
