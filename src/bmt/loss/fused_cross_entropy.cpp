@@ -8,8 +8,14 @@
 #include "bmt/init.h"
 #include "bmt/tensor_adapter.h"
 
+#include <cmath>
+#include <mutex>
+#include <optional>
+
 #ifdef BMT_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 namespace bmt::loss {
@@ -149,9 +155,61 @@ void throw_bad_target(const at::Tensor& target, int64_t ignore_index, int64_t vo
             vocab_total, ")");
 }
 
-at::Tensor bad_target_count(const at::Tensor& target, int64_t ignore_index, int64_t vocab_total) {
-  return ((target != ignore_index) & ((target < 0) | (target >= vocab_total))).sum();
+at::Tensor bad_target_mask(const at::Tensor& target, int64_t ignore_index, int64_t vocab_total) {
+  return (target != ignore_index) & ((target < 0) | (target >= vocab_total));
 }
+
+at::Tensor bad_target_count(const at::Tensor& target, int64_t ignore_index, int64_t vocab_total) {
+  return bad_target_mask(target, ignore_index, vocab_total).sum();
+}
+
+#ifdef BMT_WITH_CUDA
+// The target check of CUDA calls without a host synchronisation: the verdict (count, first bad index, its value)
+// is copied into pinned memory behind an event, and read at the next call or check_pending_targets(), when it
+// is long complete. The bad call itself returns a NaN loss, so the step is visibly wrong before the error.
+struct PendingTargetCheck {
+  at::Tensor verdict;  // pinned int64 (3)
+  std::optional<at::cuda::CUDAEvent> done;
+  int64_t vocab_total = 0;
+  bool armed = false;
+};
+
+PendingTargetCheck& pending_check() {
+  static PendingTargetCheck check;
+  return check;
+}
+std::mutex& pending_check_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+void resolve_pending_check() {
+  std::lock_guard<std::mutex> lock(pending_check_mutex());
+  PendingTargetCheck& c = pending_check();
+  if (!c.armed) return;
+  c.done->synchronize();  // recorded a whole step ago: normally complete already
+  c.armed = false;
+  const int64_t* v = c.verdict.data_ptr<int64_t>();
+  BMT_CHECK(v[0] == 0, "fused_cross_entropy: in an earlier call on CUDA, ", v[0], " target(s) were outside the "
+            "vocabulary [0, ", c.vocab_total, ") and not ignore_index, the first target[", v[1], "] = ", v[2],
+            " (that call returned a NaN loss); fix the labels or set options.ignore_index to the padding id");
+}
+
+void arm_pending_check(const at::Tensor& bad, const at::Tensor& target, int64_t vocab_total) {
+  std::lock_guard<std::mutex> lock(pending_check_mutex());
+  PendingTargetCheck& c = pending_check();
+  if (!c.verdict.defined()) {
+    c.verdict = at::empty({3}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    c.done.emplace();
+  }
+  at::Tensor first = bad.numel() > 0 ? bad.to(at::kByte).argmax() : at::zeros({}, target.options());
+  at::Tensor value = bad.numel() > 0 ? target.index({first}) : at::zeros({}, target.options());
+  c.verdict.copy_(at::stack({bad.sum(), first, value}), /*non_blocking=*/true);
+  c.done->record(c10::cuda::getCurrentCUDAStream(target.device().index()));
+  c.vocab_total = vocab_total;
+  c.armed = true;
+}
+#endif
 
 // Parallel mode: every tp rank must pass the same N, C, dtype and targets, and no rank may hold a bad target.
 // One all-reduce(max) of (x, -x) pairs makes every rank see the same verdict, so they all raise the same error.
@@ -175,6 +233,12 @@ void check_tp_agreement(const at::Tensor& logits, const at::Tensor& target, int6
 }
 
 }  // namespace
+
+void check_pending_targets() {
+#ifdef BMT_WITH_CUDA
+  resolve_pending_check();
+#endif
+}
 
 at::Tensor fused_cross_entropy(const at::Tensor& logits_in, const at::Tensor& target,
                                const FusedCrossEntropyOptions& options) {
@@ -210,6 +274,18 @@ at::Tensor fused_cross_entropy(const at::Tensor& logits_in, const at::Tensor& ta
     check_comm_tensor(logits, comm, "fused_cross_entropy(parallel=true)", "logits");
     slice = {static_cast<int64_t>(comm.rank()) * c, c * comm.size(), &comm};
     check_tp_agreement(logits, tgt, options.ignore_index, slice.total, comm);
+  } else if (logits.is_cuda()) {
+#ifdef BMT_WITH_CUDA
+    resolve_pending_check();  // the previous call's verdict (raises for it)
+    at::Tensor bad = bad_target_mask(tgt, options.ignore_index, c);
+    arm_pending_check(bad, tgt, c);
+    at::Tensor loss = FusedCrossEntropyFn::apply(logits, tgt, options.ignore_index,
+                                                 static_cast<int64_t>(options.reduction), options.label_smoothing,
+                                                 slice.begin, slice.total, 0, options.inplace);
+    // A bad target makes the loss NaN (no host synchronisation here; the error comes at the next call).
+    at::Tensor poisoned = options.reduction == Reduction::kNone ? bad : bad.any();
+    return at::where(poisoned, at::full({}, std::nanf(""), loss.options()), loss);
+#endif
   } else if (bad_target_count(tgt, options.ignore_index, c).item<int64_t>() > 0) {
     throw_bad_target(tgt, options.ignore_index, c, "");
   }

@@ -12,10 +12,12 @@
 // all-reduce(sum) of 3N floats: the full logits never exist. Every rank gets the same loss; the backward writes
 // the gradient of the local slice and needs no communication.
 //
-// Checks (bmt::core::Error): logits 2-D float, target 1-D int64 of N entries on the same device, targets in
-// [0, vocabulary) unless ignore_index (one host synchronisation), label_smoothing in [0, 1]; in parallel mode
-// bmtrain must be initialised and every tp rank must pass the same N, C, dtype and targets (checked with one small
-// all-reduce, so that every rank raises the same error instead of hanging).
+// Checks (bmt::core::Error): logits 2-D float, target 1-D int64 of N entries on the same device, label_smoothing in
+// [0, 1], targets in [0, vocabulary) unless ignore_index. The target check never synchronises with a GPU: on CPU it
+// raises at once; on CUDA (parallel = false) a bad target makes that call's loss NaN and the error is raised by the
+// next call, or by check_pending_targets(). In parallel mode bmtrain must be initialised and every tp rank must
+// pass the same N, C, dtype and targets (one small all-reduce, read on the host, so that every rank raises the
+// same error at once instead of hanging).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -38,6 +40,9 @@ struct FusedCrossEntropyOptions {
   // only when nothing reads them later (a language model's loss). Non-contiguous or fp64 logits get a private copy.
   bool inplace = false;
 };
+
+// Raises for a bad target seen by an earlier CUDA call whose verdict was not read yet (no-op otherwise).
+void check_pending_targets();
 
 // logits (N, C), target (N,) int64 -> fp32 loss (scalar, or (N,) for kNone). Differentiable in logits.
 at::Tensor fused_cross_entropy(const at::Tensor& logits, const at::Tensor& target,

@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "bmt/core/error.h"
 #include "bmt/core/kernels/cross_entropy.h"
 #include "bmt/core/kernels/thread_pool.h"
 #include "bmt/loss/fused_cross_entropy.h"
@@ -161,4 +162,33 @@ TEST(CudaCrossEntropy, LayerMatchesTorchOnGpu) {
       }
     }
   }
+}
+
+// The target check on CUDA never synchronises: a bad target gives a NaN loss, and the error (naming the first bad
+// target) comes from the next call or from check_pending_targets(); good calls in between are not affected.
+TEST(FusedCrossEntropyCuda, BadTargetGivesNaNAndADeferredError) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  bmt::loss::check_pending_targets();  // nothing pending from other tests
+  at::Tensor x = at::randn({4, 7}, at::kCUDA);
+  at::Tensor bad = at::tensor({1, -100, 99, 3}, at::kLong).cuda(), good = at::tensor({1, 2, 3, 4}, at::kLong).cuda();
+  at::Tensor loss;
+  ASSERT_NO_THROW(loss = bmt::loss::fused_cross_entropy(x, bad));
+  EXPECT_TRUE(std::isnan(loss.item<float>()));
+  std::string message;
+  try {
+    bmt::loss::check_pending_targets();
+  } catch (const bmt::core::Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("first target[2] = 99"), std::string::npos) << message;
+  EXPECT_NO_THROW(bmt::loss::check_pending_targets());  // reported once
+  // The next call raises for an earlier bad call.
+  ASSERT_NO_THROW(bmt::loss::fused_cross_entropy(x, bad));
+  EXPECT_THROW(bmt::loss::fused_cross_entropy(x, good), bmt::core::Error);
+  // Good calls are unaffected, also per row.
+  FusedCrossEntropyOptions none;
+  none.reduction = Reduction::kNone;
+  at::Tensor rows = bmt::loss::fused_cross_entropy(x, good, none);
+  EXPECT_FALSE(at::isnan(rows).any().item<bool>());
+  EXPECT_NO_THROW(bmt::loss::check_pending_targets());
 }
