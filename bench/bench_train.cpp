@@ -89,6 +89,7 @@ struct Args {
   bool offload_blocks_only = false;  // --offload-blocks: CPU Adam for Block parameters, GPU Adam for the rest
   int64_t offload_gpu_blocks = 0;    // --offload-gpu-blocks K: also the first K Blocks keep GPU Adam
   bool offload_grad_bf16 = false;    // --offload-grad-bf16: gradients cross the bus in bf16
+  bool offload_async = false;        // --offload-async: step() returns before the Blocks' CPU updates finish
   bool profile = false;              // --profile: 2 more steps under the Kineto profiler (GPU busy/idle, kernels)
   std::string json_path;
   std::string device = "auto";  // plain only
@@ -106,6 +107,7 @@ const char* kUsage =
     "                       [--offload-blocks (CPU Adam for the Blocks' parameters only, GPU Adam for the rest)]\n"
     "                       [--offload-gpu-blocks K (--offload-blocks, and the first K Blocks keep GPU Adam too)]\n"
     "                       [--offload-grad-bf16 (offload: gradients cross the bus rounded to bf16)]\n"
+    "                       [--offload-async (offload: the next forward waits per Block for the CPU updates)]\n"
     "                       [--profile (2 extra steps under the profiler: GPU busy vs idle, top kernels)]\n"
     "                       [--force (skip the host memory check)]\n"
     "                       [--seed S] [--tp N (bmt: tensor parallelism; run under bmtrun with N | world)]\n";
@@ -150,6 +152,7 @@ Args parse_args(int argc, char** argv) {
       a.offload = a.offload_blocks_only = true;
       a.offload_gpu_blocks = to_int(f, need(i));
     } else if (f == "--offload-grad-bf16") a.offload_grad_bf16 = true;
+    else if (f == "--offload-async") a.offload_async = true;
     else if (f == "--profile") a.profile = true;
     else if (f == "--raw-step") a.raw_step = true;
     else if (f == "--no-overlap") a.no_overlap = true;
@@ -167,7 +170,8 @@ Args parse_args(int argc, char** argv) {
   if (a.zero != 2 && a.zero != 3) throw std::invalid_argument("--zero must be 2 or 3");
   if (a.offload_blocks_only && a.raw_step) throw std::invalid_argument("--offload-blocks needs the OptimManager (no --raw-step)");
   if (a.offload_gpu_blocks < 0) throw std::invalid_argument("--offload-gpu-blocks must be >= 0");
-  if (a.offload_grad_bf16 && !a.offload) throw std::invalid_argument("--offload-grad-bf16 needs --offload");
+  if ((a.offload_grad_bf16 || a.offload_async) && !a.offload)
+    throw std::invalid_argument("--offload-grad-bf16 and --offload-async need --offload");
   if (a.tp < 1 || (a.tp > 1 && a.framework != "bmt")) throw std::invalid_argument("--tp N (>= 1) is for --framework bmt");
   if (a.steps < 1 || a.warmup < 0) throw std::invalid_argument("--steps must be >= 1 and --warmup >= 0");
   if (a.seq < 0 || a.batch < 0) throw std::invalid_argument("--seq and --batch must be positive");
@@ -248,12 +252,6 @@ int64_t proc_kib(const char* file, const char* key) {
 
 double gib(double bytes) { return bytes / double(1ll << 30); }
 
-int64_t round_pow2(int64_t n) {
-  int64_t r = 1;
-  while (r < n) r <<= 1;
-  return r;
-}
-
 // One benchmark: how to run a step, and what to report about the model.
 struct Runner {
   int data_parallel = 1;  // ranks with distinct batches (world / tp)
@@ -318,13 +316,13 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     }
   }
   if (a.offload && r.device.is_cuda()) {
-    // Host bytes the offloaded state needs: fp32 master (half params) + two fp32 moments + pinned staging for the
-    // gradient and the parameter (the pinned host allocator rounds up to powers of two).
+    // Host bytes the offloaded state needs: fp32 master (half params) + two fp32 moments + pinned staging of exact
+    // size for the gradient (fp32, or bf16 with --offload-grad-bf16) and the parameter.
     int64_t need = 0;
     for (const auto& p : params) {
       const int64_t n = p.numel();
       need += n * (p.scalar_type() == at::kFloat ? 8 : 12);
-      need += round_pow2(n * 4) + round_pow2(n * static_cast<int64_t>(p.element_size()));
+      need += n * (a.offload_grad_bf16 ? 2 : 4) + n * static_cast<int64_t>(p.element_size());
     }
     const int64_t avail = proc_kib("/proc/meminfo", "MemAvailable:") * 1024;
     std::printf("offload: ~%.1f GiB of host memory needed, %.1f GiB available\n", gib(need), gib(avail));
@@ -339,8 +337,10 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   if (a.offload) {
     auto offload = std::make_shared<bmt::optim::AdamOffloadOptimizer>(params, opts);
     if (a.offload_grad_bf16) offload->set_grad_transfer_dtype(at::kBFloat16);
+    offload->set_async_step(a.offload_async);
     optimizer = offload;
-    r.optimizer = std::string("AdamOffloadOptimizer") + (a.offload_grad_bf16 ? " (bf16 gradient transfer)" : "");
+    r.optimizer = std::string("AdamOffloadOptimizer") + (a.offload_grad_bf16 ? " (bf16 gradient transfer)" : "") +
+                  (a.offload_async ? " (asynchronous step)" : "");
     if (!a.no_overlap) {
       // Start each Block's CPU update as soon as its gradients are reduced, while the rest of the backward runs.
       auto counter = r.early_started;
@@ -456,6 +456,7 @@ int run(const Args& a) {
     if (a.offload_gpu_blocks > 0) config += " offload-gpu-blocks" + std::to_string(a.offload_gpu_blocks);
     else config += a.offload_blocks_only ? " offload-blocks" : " offload";
     if (a.offload_grad_bf16) config += " grad-bf16";
+    if (a.offload_async) config += " async";
   }
   std::printf("bench_train: %s | %s | %s on %s | %.1fM params (%.1fM matmul), %.3g GFLOP/token | %s | %s\n",
               a.framework.c_str(), config.c_str(), shape.model.describe().c_str(), r.device.str().c_str(),
@@ -551,6 +552,7 @@ int run(const Args& a) {
       << ",\"loss_last\":" << json_num(loss_last) << ",\"precision\":" << json_str(r.precision)
       << ",\"optimizer\":" << json_str(r.optimizer) << ",\"offload_early_blocks_per_step\":" << json_num(early_per_step)
       << ",\"profile\":" << profile_json << ",\"offload_gpu_blocks\":" << a.offload_gpu_blocks << ",\"offload_grad_bf16\":" << (a.offload_grad_bf16 ? "true" : "false")
+      << ",\"offload_async\":" << (a.offload_async ? "true" : "false")
       << "}";
     std::ofstream out(a.json_path, std::ios::app);
     if (!out) throw std::runtime_error("cannot open --json file " + a.json_path);

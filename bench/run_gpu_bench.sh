@@ -91,8 +91,9 @@ CONFIGS=(
   "bmt_1p3b_ckpt|180|bmt|gpt-1.3b|2048|8|2|5|--checkpointing"
   "bmt_1p3b_offload|240|bmt|gpt-1.3b|2048|8|2|4|--offload"
   "bmt_1p3b_offload_bf16g|240|bmt|gpt-1.3b|2048|8|2|4|--offload --offload-grad-bf16"
-  "bmt_1p3b_offload_gpu4|240|bmt|gpt-1.3b|2048|8|2|4|--offload-gpu-blocks 4"
-  "bmt_1p3b_offload_gpu8|240|bmt|gpt-1.3b|2048|8|2|4|--offload-gpu-blocks 8"
+  "bmt_1p3b_offload_async|240|bmt|gpt-1.3b|2048|8|2|4|--offload --offload-grad-bf16 --offload-async"
+  "bmt_1p3b_offload_gpu2|240|bmt|gpt-1.3b|2048|8|2|4|--offload-gpu-blocks 2 --offload-grad-bf16 --offload-async"
+  "bmt_1p3b_offload_gpu4|240|bmt|gpt-1.3b|2048|8|2|4|--offload-gpu-blocks 4 --offload-grad-bf16 --offload-async"
   "plain_124m|120|plain|gpt2-124m|1024|16|3|10|"
   "fsdp2_124m|150|fsdp2|gpt2-124m|1024|16|3|10|"
   "plain_1p3b|180|plain|gpt-1.3b|2048|8|2|5|"
@@ -100,7 +101,7 @@ CONFIGS=(
   "plain_1p3b_ckpt|180|plain|gpt-1.3b|2048|8|2|5|--checkpointing"
   "fsdp2_1p3b_ckpt|180|fsdp2|gpt-1.3b|2048|8|2|5|--checkpointing"
 )
-[ "${BENCH_7B:-1}" = 1 ] && CONFIGS+=("bmt_7b_offload_ckpt|300|bmt|llama-7b|2048|2|1|2|--offload --checkpointing")
+[ "${BENCH_7B:-1}" = 1 ] && CONFIGS+=("bmt_7b_offload_ckpt|300|bmt|llama-7b|2048|2|1|2|--offload --checkpointing --offload-grad-bf16 --offload-async")
 
 for c in "${CONFIGS[@]}"; do
   IFS='|' read -r id limit fw preset seq batch warm steps extra <<< "$c"
@@ -154,8 +155,9 @@ ROWS = [("gpt2-124m T1024 B16", "124m", ["bmt_124m", "plain_124m", "fsdp2_124m"]
         ("gpt-1.3b T2048 B8 ckpt", "1p3b_ckpt", ["bmt_1p3b_ckpt", "plain_1p3b_ckpt", "fsdp2_1p3b_ckpt"]),
         ("gpt-1.3b T2048 B8 offload", "1p3b", ["bmt_1p3b_offload"]),
         ("  + bf16 grad transfer", "1p3b", ["bmt_1p3b_offload_bf16g"]),
-        ("  layers.0-3 on GPU Adam", "1p3b", ["bmt_1p3b_offload_gpu4"]),
-        ("  layers.0-7 on GPU Adam", "1p3b", ["bmt_1p3b_offload_gpu8"]),
+        ("  + async step", "1p3b", ["bmt_1p3b_offload_async"]),
+        ("  + layers.0-1 on GPU Adam", "1p3b", ["bmt_1p3b_offload_gpu2"]),
+        ("  + layers.0-3 on GPU Adam", "1p3b", ["bmt_1p3b_offload_gpu4"]),
         ("llama-7b T2048 B2 off+ckpt", None, ["bmt_7b_offload_ckpt"])]
 NAMES = {"bmt": "bmtrain", "plain": "plain", "fsdp2": "fsdp2"}
 

@@ -15,6 +15,7 @@
 #include "bmt/memory_stats.h"
 #include "bmt/param_registry.h"
 #include "bmt/parameter.h"
+#include "bmt/pending_update.h"
 #include "bmt/stream_sync.h"
 #include "bmt/tensor_adapter.h"
 
@@ -164,6 +165,10 @@ Block::Block(std::shared_ptr<torch::nn::Module> module, BlockForward forward, Bl
 }
 
 Block::~Block() {
+  try {
+    wait_pending_updates();  // nothing may still write into the shards we are about to free
+  } catch (...) {
+  }
   for (auto& s : slots_) {
     if (ParamMeta* m = find_meta(s->param)) m->block = nullptr;
     clear_main_grad(s->param);
@@ -279,8 +284,14 @@ at::Tensor Block::materialize_full(Group& g) {
   return g.full_store;
 }
 
+void Block::wait_pending_updates() {
+  if (num_pending_updates() == 0) return;
+  for (auto& s : slots_) wait_pending_update(s->param);
+}
+
 void Block::gather_buffers() {
   if (buffers_ready_) return;
+  wait_pending_updates();  // host, and on CUDA the compute stream waits for the copies back (ordered before comm)
   auto calc = compute_stream();
   auto comm_s = comm_stream();
   stream_wait(comm_s, calc);  // the shards may have just been updated by the optimizer
@@ -520,6 +531,7 @@ void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
 }
 
 at::Tensor Block::gather_param_copy(const at::Tensor& param) {
+  wait_pending_updates();  // the shards are read
   for (auto& s : slots_) {
     if (!s->param.is_same(param)) continue;
     bool had = buffers_ready_;
@@ -538,6 +550,7 @@ at::Tensor Block::gather_param_copy(const at::Tensor& param) {
 }
 
 void Block::scatter_param(const at::Tensor& param, const at::Tensor& full) {
+  wait_pending_update(param);  // an update still running would overwrite (or race with) the new value
   for (auto& s : slots_) {
     if (!s->param.is_same(param)) continue;
     Group& g = *groups_[s->group];

@@ -18,6 +18,8 @@
 // the full buffers exist only between gather() and release(); gradient reduction happens once per backward
 // unless reduction is deferred with GradSyncGuard (accumulation over micro-batches).
 // On CUDA, gathers and reductions run on config().load_stream, ordered against the compute stream by events.
+// An optimizer may still be updating the shards after its step() returned (AdamOffloadOptimizer::set_async_step):
+// gathering, gather_param_copy and scatter_param wait for this Block's pending updates first (pending_update.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -90,6 +92,9 @@ class Block : public std::enable_shared_from_this<Block> {
   struct Slot;
   void build_storage();
   void gather_buffers();
+  // Waits for asynchronous optimizer updates of this Block's parameters (pending_update.h) before their shards are
+  // read or written.
+  void wait_pending_updates();
   static at::Tensor materialize_full(Group& g);
   void reduce_gradients(const std::vector<at::Tensor>& param_grads);
   at::Tensor packed_gradient(const Group& g, size_t group_index, const std::vector<at::Tensor>& param_grads) const;

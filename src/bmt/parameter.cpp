@@ -9,6 +9,7 @@
 #include "bmt/distributed.h"
 #include "bmt/init.h"
 #include "bmt/param_registry.h"
+#include "bmt/pending_update.h"
 #include "bmt/tensor_adapter.h"
 #include "bmt/tensor_registry.h"
 
@@ -275,6 +276,7 @@ void scatter_logical(const at::Tensor& param, const at::Tensor& logical) {
 }
 
 void init_parameters(torch::nn::Module& module) {
+  wait_all_pending_updates();  // an asynchronous optimizer update would overwrite the new values
   at::NoGradGuard guard;
   for (auto& item : module.named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();

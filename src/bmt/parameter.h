@@ -32,6 +32,7 @@
 namespace bmt {
 
 class Block;
+class PendingUpdate;
 
 // Fills a full-size tensor in place; runs once per parameter in init_parameters().
 using InitMethod = std::function<void(at::Tensor& full)>;
@@ -63,6 +64,9 @@ struct ParamMeta {
   int tp_rank = 0;        // the piece held here
   TpGradReduce tp_grad_reduce = TpGradReduce::kNone;  // replicated over tp > 1: how gradient copies combine
   Block* block = nullptr;  // the Block owning this parameter's storage, if any
+  // An asynchronous optimizer update still running on this parameter (see pending_update.h, the only code that
+  // touches it, under its lock).
+  std::shared_ptr<PendingUpdate> pending_update;
 
   bool is_tp_split() const { return tp_split_dim >= 0 && tp_size > 1; }
   // full_shape with the split dimension multiplied back by tp_size.

@@ -5,10 +5,12 @@
 #include "bmt/core/error.h"
 #include "bmt/init.h"
 #include "bmt/parameter.h"
+#include "bmt/pending_update.h"
 
 namespace bmt {
 
 StateDict state_dict(torch::nn::Module& module, bool to_cpu) {
+  wait_all_pending_updates();  // asynchronous optimizer steps still writing parameters
   StateDict out;
   at::NoGradGuard guard;
   for (auto& item : module.named_parameters(true)) {
@@ -20,6 +22,7 @@ StateDict state_dict(torch::nn::Module& module, bool to_cpu) {
 }
 
 LoadResult load_state_dict(torch::nn::Module& module, const StateDict& state, bool strict) {
+  wait_all_pending_updates();  // an update still running would overwrite the loaded values
   LoadResult result;
   std::vector<std::string> mismatched;
   std::map<std::string, at::Tensor> targets;

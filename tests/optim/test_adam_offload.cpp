@@ -6,6 +6,8 @@
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/param_registry.h"
+#include "bmt/pending_update.h"
+#include "gated_pool.h"
 #include "opt_test_util.h"
 
 using bmt::optim::AdamOffloadOptimizer;
@@ -118,4 +120,37 @@ TEST(AdamOffloadOptimizer, StateDictsAreInterchangeableWithAdamOptimizer) {
   }
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << i;
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(offload.find_state(b[i])->exp_avg.is_cpu());
+}
+
+TEST(AdamOffloadOptimizer, AsyncStepWaitsForParametersOutsideBlocks) {
+  // Plain parameters are outside any Block: an asynchronous step() still applies them before returning, even when
+  // the pool's only worker is held (the caller runs their updates itself; another group's tasks never block it).
+  bmt::testing::GatedPool gated;
+  auto a = make_params(kShapes, at::kBFloat16, 25);
+  auto b = clone_params(a, at::kBFloat16);
+  AdamOptions opts(2e-3, {0.9, 0.99}, 1e-8, 0.05);
+  AdamOptimizer adam(a, opts);
+  AdamOffloadOptimizer offload(b, opts);
+  offload.set_thread_pool(gated.pool);
+  offload.set_async_step(true);
+  EXPECT_TRUE(offload.async_step());
+  gated.close();
+  for (int step = 0; step < 4; ++step) {
+    set_grads(a, b, GradKind::kFp32Main, 300 + step);
+    offload.step_params(std::vector<size_t>{5}, 2.0);
+    adam.step(2.0);
+    offload.step(2.0);
+    EXPECT_EQ(bmt::num_pending_updates(), 0u);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "step " << step << " param " << i;
+    offload.zero_grad();
+  }
+  gated.open();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].numel() == 0) continue;
+    EXPECT_TRUE(at::equal(adam.find_state(a[i])->exp_avg_sq, offload.find_state(b[i])->exp_avg_sq)) << i;
+  }
+  offload.set_async_step(false);
+  EXPECT_FALSE(offload.async_step());
+  forget(a);
+  forget(b);
 }

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -69,4 +70,28 @@ TEST(ThreadPool, NestedSubmissionRunsInline) {
       pool.parallel_for(100, 1, [&](int64_t bb, int64_t ee) { sum += ee - bb; });
   });
   EXPECT_EQ(sum.load(), 800);
+}
+
+TEST(ThreadPool, WaitRunsOnlyItsOwnGroupsTasks) {
+  ThreadPool pool(1);
+  std::promise<void> worker_busy, release;
+  std::shared_future<void> released = release.get_future().share();
+  ThreadPool::TaskGroup gate(pool);
+  gate.run([&worker_busy, released] {
+    worker_busy.set_value();
+    released.wait();
+  });
+  worker_busy.get_future().wait();  // the only worker is blocked: queued tasks run only when a waiter runs them
+  std::atomic<int> a_done{0}, b_done{0};
+  ThreadPool::TaskGroup a(pool), b(pool);
+  for (int i = 0; i < 3; ++i) a.run([&] { a_done++; });
+  for (int i = 0; i < 3; ++i) b.run([&] { b_done++; });
+  b.wait();  // queued after a's tasks, yet does not run them
+  EXPECT_EQ(b_done.load(), 3);
+  EXPECT_EQ(a_done.load(), 0);
+  EXPECT_EQ(a.pending(), 3);
+  release.set_value();
+  a.wait();
+  gate.wait();
+  EXPECT_EQ(a_done.load(), 3);
 }

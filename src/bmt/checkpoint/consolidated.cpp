@@ -13,6 +13,7 @@
 #include "bmt/checkpoint/tp_layout.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
+#include "bmt/pending_update.h"
 
 namespace bmt {
 
@@ -41,6 +42,7 @@ int64_t chunk_numel_for(const std::string& dtype, int64_t chunk_nbytes) {
 ConsolidatedStats save(torch::nn::Module& model, const std::string& path, const ConsolidatedOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   check_topology("bmt::save");
+  wait_all_pending_updates();  // asynchronous optimizer steps still writing parameters
   core::Communicator& comm = *config().comm;
   const int rank = comm.rank();
   std::vector<LocalSlice> mine;
@@ -139,6 +141,7 @@ LoadResult load(torch::nn::Module& model, const std::string& path, bool strict, 
                 ConsolidatedStats* stats_out) {
   const auto t0 = std::chrono::steady_clock::now();
   check_topology("bmt::load");
+  wait_all_pending_updates();  // an update still running would overwrite the loaded values
   core::Communicator& comm = *config().comm;
   const int rank = comm.rank(), world = comm.size();
   const std::string what = "bmt::load(" + path + ")";

@@ -9,6 +9,7 @@
 #include "bmt/checkpoint/save_job.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
+#include "bmt/pending_update.h"
 
 namespace bmt::checkpoint {
 
@@ -84,6 +85,7 @@ void wait_pending_save() {
 SaveHandle save(const std::string& dir_in, const TrainingState& state, const SaveOptions& options) {
   const auto t0 = Clock::now();
   wait_pending_save();
+  wait_all_pending_updates();  // asynchronous optimizer steps still writing parameters (optimizers wait themselves)
   const Config& cfg = config();
   core::Communicator& comm = *cfg.comm;
   const int rank = comm.rank(), world = comm.size();
@@ -175,6 +177,7 @@ SaveHandle save(const std::string& dir_in, const TrainingState& state, const Sav
 
 LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& options) {
   wait_pending_save();
+  wait_all_pending_updates();  // an update still running would overwrite the loaded values
   const Config& cfg = config();
   core::Communicator& comm = *cfg.comm;
   const int rank = comm.rank(), world = comm.size();

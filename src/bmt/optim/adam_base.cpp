@@ -91,6 +91,7 @@ const AdamOptions& AdamBase::group_options(size_t group) const {
 }
 
 const AdamState* AdamBase::find_state(const at::Tensor& p) const {
+  wait_for_running_updates();
   auto it = states_.find(p.unsafeGetTensorImpl());
   return it == states_.end() ? nullptr : &it->second;
 }
@@ -102,6 +103,7 @@ AdamState& AdamBase::state_for(const at::Tensor& p) {
 }
 
 void AdamBase::refresh_master() {
+  wait_for_running_updates();
   at::NoGradGuard no_grad;
   for (const auto& p : flat_params()) {
     auto it = states_.find(p.unsafeGetTensorImpl());
@@ -139,6 +141,7 @@ core::kernels::AdamTensorArgs AdamBase::kernel_args(void* param_data, const at::
 }
 
 StateDict AdamBase::state_dict() const {
+  wait_for_running_updates();
   StateDict sd;
   std::vector<at::Tensor> params = flat_params();
   sd["num_params"] = int_entry(static_cast<int64_t>(params.size()));
@@ -167,6 +170,7 @@ StateDict AdamBase::state_dict() const {
 }
 
 void AdamBase::load_state_dict(const StateDict& sd) {
+  wait_for_running_updates();
   const char* what = "Adam optimizer";
   std::vector<at::Tensor> params = flat_params();
   int64_t n = get_int(sd, "num_params", what);

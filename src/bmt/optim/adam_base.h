@@ -78,6 +78,9 @@ class AdamBase : public BmtOptimizer {
  protected:
   // A fresh state for p (zeros, master = p as fp32), on the device this optimizer keeps state on.
   virtual AdamState new_state(const at::Tensor& p) const = 0;
+  // Waits for updates that may still be writing the state or the parameters (AdamOffloadOptimizer); called before
+  // the state is read or replaced: find_state, state_dict, load_state_dict, refresh_master.
+  virtual void wait_for_running_updates() const {}
   AdamState& state_for(const at::Tensor& p);
   // Re-validates group options and parameters (param groups may have been added since construction).
   void validate_groups() const;

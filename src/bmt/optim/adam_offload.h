@@ -5,10 +5,13 @@
 // Per parameter of a CUDA build with a CUDA parameter, one step is a pipeline:
 //   1. (caller thread) the copy stream waits for the current stream; the gradient (and, for fp32 parameters, the
 //      parameter) is copied into pinned host staging buffers; an event marks the copy.
-//   2. (ThreadPool::global(), chunked) each chunk waits for that event, then runs the vectorised CPU Adam kernel on
-//      the host fp32 master / exp_avg / exp_avg_sq, writing the new value into the pinned parameter staging buffer.
-//   3. (the worker finishing the last chunk) the staging buffer is copied back into the parameter on the copy stream.
-//   wait() joins the pool work and makes the current stream wait for the copy stream.
+//   2. (ThreadPool::global() or set_thread_pool's, chunked) each chunk waits for that event, then runs the vectorised
+//      CPU Adam kernel on the host fp32 master / exp_avg / exp_avg_sq, writing the new value into the pinned
+//      parameter staging buffer.
+//   3. (the worker finishing the last chunk) the staging buffer is copied back into the parameter on the copy stream
+//      and an event is recorded after the copy.
+//   The work of one parameter is one PendingUpdate (bmt/pending_update.h); waiting for it joins its pool work and
+//   makes the current stream wait for its copy back.
 // CPU parameters skip 1 and 3 (the kernel reads the gradient and writes the parameter directly). No thread is
 // created per step; the master, moments and gradients never leave pinned/host memory between steps. Only the
 // transfer buffers are pinned: master and moments never cross the bus, so pinning them would only lock memory.
@@ -19,14 +22,27 @@
 // the parameters not started yet in this iteration, then waits; the iteration ends with step() or zero_grad(), so a
 // parameter can be started once per iteration. Early updates cannot be undone: start early only when the step will
 // not be skipped (loss scaling disabled, or gradients checked with has_inf_nan first).
+//
+// Asynchronous step (set_async_step(true), off by default): step() returns once the parameters OUTSIDE Blocks are
+// updated; the updates of Block parameters keep running and are registered as the parameters' pending updates. A
+// Block waits for its own before it gathers, so the next forward waits only for the Blocks it reaches, Block by
+// Block. zero_grad() does not wait for CUDA parameters' updates on the host (their kernels read pinned copies of
+// the gradients: the current stream only waits for those copies), but does for CPU parameters (their kernels read
+// the gradients). Everything else that reads or writes parameters or this state waits for all of them first:
+// bmt::state_dict / load_state_dict, bmt::save / load, bmt::checkpoint::save / load, init_parameters, and this
+// optimizer's state_dict, load_state_dict, find_state, wait() and destructor. Other direct readers of a Block's
+// shards must call bmt::wait_pending_update(param) or bmt::wait_all_pending_updates() first.
 #pragma once
 
+#include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <unordered_set>
 
 #include "bmt/core/kernels/thread_pool.h"
 #include "bmt/optim/adam_base.h"
+#include "bmt/pending_update.h"
 
 namespace bmt::optim {
 
@@ -42,8 +58,15 @@ class AdamOffloadOptimizer : public AdamBase {
   // asynchronously. Parameters without a gradient are skipped; starting one twice in an iteration is an error.
   void step_params(const std::vector<size_t>& flat_indices, double loss_scale = 1.0);
   void step_params(const std::vector<at::Tensor>& params, double loss_scale = 1.0);
-  // Blocks until every started update has been applied (CUDA: the current stream waits for the copies back).
+  // Blocks until every started update has been applied, also those still running after an asynchronous step()
+  // (CUDA: the current stream waits for the copies back). Rethrows the first error of an update.
   void wait();
+  // Asynchronous step (see above). Default off. Turning it off waits for every running update.
+  void set_async_step(bool on);
+  bool async_step() const { return async_step_; }
+  // The pool running the CPU updates (default ThreadPool::global(); e.g. a test's pool whose worker it blocks). It
+  // must outlive this optimizer. Waits for running updates first.
+  void set_thread_pool(core::kernels::ThreadPool& pool);
   // Parameters started in the current iteration.
   size_t num_started() const { return started_.size(); }
   // The dtype in which CUDA gradients cross the bus and reach the CPU kernel. Default (nullopt): the gradient's
@@ -52,25 +75,41 @@ class AdamOffloadOptimizer : public AdamBase {
   // CPU update is host-bandwidth bound), at the cost of a gradient rounded to 8 (bf16) or 11 (fp16) bits.
   void set_grad_transfer_dtype(std::optional<at::ScalarType> dtype);
   std::optional<at::ScalarType> grad_transfer_dtype() const { return grad_transfer_dtype_; }
-  // Waits for running updates first. (state_dict() does not wait: call it after step().)
+  // Waits for running updates first (state_dict() too).
   void load_state_dict(const StateDict& sd) override;
 
  protected:
   void do_step(double loss_scale) override;
   AdamState new_state(const at::Tensor& p) const override;
   void before_zero_grad() override;
+  void wait_for_running_updates() const override;
 
  private:
   struct Staging;
   struct CudaStreams;
+  // A started update until this optimizer saw it finish.
+  struct InFlight {
+    at::Tensor param;
+    std::shared_ptr<PendingUpdate> update;
+    std::vector<at::Tensor> keep_alive;  // gradient (and parameter) read by its tasks
+    bool registered = false;             // the parameter's pending update (asynchronous step, Block parameter)
+  };
   void start_one(const at::Tensor& p, const AdamOptions& o, float inv_scale);
-  void submit_chunks(const core::kernels::AdamTensorArgs& args, float inv_scale, std::function<void()> before,
-                     std::function<void()> after);
+  void start_on_device(const at::Tensor& p, at::Tensor grad, AdamState& s, const AdamOptions& o, float inv_scale,
+                       PendingUpdate& update);
+  // Waits for one in-flight update; returns its error instead of throwing.
+  static std::exception_ptr finish(InFlight& f);
+  void submit_chunks(PendingUpdate& update, const core::kernels::AdamTensorArgs& args, float inv_scale,
+                     std::function<void()> before, std::function<void()> after);
+  // Waits for (and forgets) the in-flight updates `which` selects; returns the first error instead of throwing.
+  std::exception_ptr finish_where(const std::function<bool(const InFlight&)>& which);
   void end_iteration();
 
-  std::unique_ptr<core::kernels::ThreadPool::TaskGroup> tasks_;
+  core::kernels::ThreadPool* pool_;
+  bool async_step_ = false;
+  bool copies_queued_ = false;  // CUDA copies queued since the last wait()
   std::unordered_set<const void*> started_;
-  std::vector<at::Tensor> in_flight_;  // gradients / parameters read by running tasks
+  std::unordered_map<const void*, InFlight> in_flight_;  // by parameter
   std::unordered_map<const void*, std::unique_ptr<Staging>> staging_;
   std::unique_ptr<CudaStreams> cuda_;
   std::optional<at::ScalarType> grad_transfer_dtype_;

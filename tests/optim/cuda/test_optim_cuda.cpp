@@ -11,6 +11,7 @@
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/grad_utils.h"
 #include "bmt/param_registry.h"
+#include "bmt/pending_update.h"
 #include "../opt_test_util.h"
 
 using bmt::optim::AdamOffloadOptimizer;
@@ -95,6 +96,38 @@ TEST(CudaOptim, OffloadBf16GradTransferEqualsRoundedGradients) {
     EXPECT_TRUE(at::equal(cpu[i], off[i].cpu())) << "param " << i;
     bmt::forget_param(cpu[i]);
     bmt::forget_param(off[i]);
+TEST(CudaOptim, AsyncOffloadOnGpuMatchesCpuBitwise) {
+  // Plain parameters are outside any Block: the asynchronous step applies them before step() returns, and the
+  // current stream is ordered after their copies back (no synchronize before reading them).
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    auto cpu = make_params(kShapes, dt, 53);
+    auto off = to_cuda(cpu);
+    AdamOptions opts(1e-3, {0.9, 0.999}, 1e-8, 0.01);
+    AdamOptimizer ref(cpu, opts);
+    AdamOffloadOptimizer offload(off, opts);
+    offload.set_async_step(true);
+    for (int step = 0; step < 4; ++step) {
+      for (size_t i = 0; i < cpu.size(); ++i) {
+        at::Tensor g = at::randn(cpu[i].sizes());
+        cpu[i].mutable_grad() = g.to(dt);
+        off[i].mutable_grad() = g.to(dt).to(at::kCUDA);
+      }
+      ref.step(2.0);
+      offload.step_params(std::vector<size_t>{5}, 2.0);
+      offload.step(2.0);
+      EXPECT_EQ(bmt::num_pending_updates(), 0u);
+      for (size_t i = 0; i < cpu.size(); ++i)
+        EXPECT_TRUE(at::equal(cpu[i], off[i].cpu())) << c10::toString(dt) << " step " << step << " param " << i;
+      ref.zero_grad();
+      offload.zero_grad();
+    }
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      if (cpu[i].numel() > 0) {
+        EXPECT_TRUE(at::equal(ref.find_state(cpu[i])->exp_avg, offload.find_state(off[i])->exp_avg)) << i;
+      }
+      for (auto* v : {&cpu, &off}) bmt::forget_param((*v)[i]);
+    }
   }
 }
 

@@ -11,6 +11,8 @@
 //  * Tasks are independent and never wait for each other; a task may block on an external event (e.g. a CUDA copy
 //    finishing), which only delays the pool.
 //  * The first exception thrown by a task of a group is rethrown by that group's wait(); other tasks still run.
+//  * TaskGroup::wait() helps by running queued tasks of ITS group only: another group's work (e.g. the optimizer
+//    updates of other parameters, queued earlier) would delay its return for no reason of its own.
 #pragma once
 
 #include <condition_variable>
@@ -40,7 +42,8 @@ class ThreadPool {
   int num_threads() const { return num_workers() + 1; }
 
   // A set of asynchronously running tasks. run() returns at once; wait() blocks until all tasks of the group are
-  // done (helping to run queued tasks meanwhile) and rethrows the first task exception. The destructor waits
+  // done (running the group's queued tasks itself meanwhile) and rethrows the first task exception (once); several
+  // threads may wait at the same time. The destructor waits
   // (swallowing exceptions): never let a group die while its tasks reference caller memory.
   class TaskGroup {
    public:
@@ -78,7 +81,8 @@ class ThreadPool {
     std::shared_ptr<TaskGroup::State> group;
   };
   void enqueue(Task task);
-  bool try_run_one();  // runs one queued task on the calling thread; false if the queue was empty
+  // Runs one queued task (of `group` only, when given) on the calling thread; false if there was none.
+  bool try_run_one(const TaskGroup::State* group = nullptr);
   static void execute(Task& task);
   void worker_loop();
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <string>
 
 #ifdef __linux__
@@ -91,13 +92,20 @@ void ThreadPool::execute(Task& task) {
   if (last) task.group->cv.notify_all();
 }
 
-bool ThreadPool::try_run_one() {
+bool ThreadPool::try_run_one(const TaskGroup::State* group) {
   Task task;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (queue_.empty()) return false;
-    task = std::move(queue_.front());
-    queue_.pop_front();
+    auto it = queue_.begin();
+    if (group != nullptr) {
+      // From the back: the group waited for is usually among the latest submitted (an asynchronous optimizer step
+      // queues Block updates in backward order, the next forward waits for them in the reverse order).
+      auto r = std::find_if(queue_.rbegin(), queue_.rend(), [&](const Task& t) { return t.group.get() == group; });
+      it = r == queue_.rend() ? queue_.end() : std::prev(r.base());
+    }
+    if (it == queue_.end()) return false;
+    task = std::move(*it);
+    queue_.erase(it);
   }
   execute(task);
   return true;
@@ -147,7 +155,7 @@ void ThreadPool::TaskGroup::wait() {
       std::lock_guard<std::mutex> lock(state_->mu);
       if (state_->pending == 0) break;
     }
-    if (pool_.try_run_one()) continue;  // help with queued work (ours or another group's)
+    if (pool_.try_run_one(state_.get())) continue;  // help with our own queued tasks
     std::unique_lock<std::mutex> lock(state_->mu);
     state_->cv.wait(lock, [&] { return state_->pending == 0; });
     break;
