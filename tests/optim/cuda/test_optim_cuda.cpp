@@ -96,6 +96,9 @@ TEST(CudaOptim, OffloadBf16GradTransferEqualsRoundedGradients) {
     EXPECT_TRUE(at::equal(cpu[i], off[i].cpu())) << "param " << i;
     bmt::forget_param(cpu[i]);
     bmt::forget_param(off[i]);
+  }
+}
+
 TEST(CudaOptim, AsyncOffloadOnGpuMatchesCpuBitwise) {
   // Plain parameters are outside any Block: the asynchronous step applies them before step() returns, and the
   // current stream is ordered after their copies back (no synchronize before reading them).
