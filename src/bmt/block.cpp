@@ -284,6 +284,13 @@ at::Tensor Block::materialize_full(Group& g) {
   return g.full_store;
 }
 
+void Block::prefetch() {
+  if (num_pending_updates() > 0)
+    for (auto& s : slots_)
+      if (auto update = find_pending_update(s->param); update && !update->host_done()) return;
+  gather_buffers();
+}
+
 void Block::wait_pending_updates() {
   if (num_pending_updates() == 0) return;
   for (auto& s : slots_) wait_pending_update(s->param);

@@ -68,7 +68,9 @@ class Block : public std::enable_shared_from_this<Block> {
   void point_at_full();
   void point_at_shard();
   void release();  // drop the full buffers (parameters point at the shard)
-  void prefetch() { gather_buffers(); }  // start the all_gather only
+  // Starts the all_gather only. Skipped while an asynchronous optimizer update of this Block still runs on the
+  // host: waiting for it here would hold back the launch of the current Block's forward; gather() waits instead.
+  void prefetch();
 
   int64_t shard_nbytes() const;
   int64_t full_nbytes() const;

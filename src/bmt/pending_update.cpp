@@ -16,8 +16,9 @@ namespace {
 // Guards every ParamMeta::pending_update and the set of parameters that have one.
 std::mutex g_mutex;
 std::unordered_map<const void*, at::Tensor>& registered() {  // keeps the parameters alive until waited for
-  static std::unordered_map<const void*, at::Tensor> params;
-  return params;
+  // Never destroyed: device tensors must not be freed during static destruction (CUDA may be gone already).
+  static auto* params = new std::unordered_map<const void*, at::Tensor>;
+  return *params;
 }
 // Lets wait_pending_update skip the lock when nothing is registered (every Block gather asks).
 std::atomic<size_t> g_count{0};

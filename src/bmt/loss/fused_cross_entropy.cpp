@@ -175,8 +175,9 @@ struct PendingTargetCheck {
 };
 
 PendingTargetCheck& pending_check() {
-  static PendingTargetCheck check;
-  return check;
+  // Never destroyed: freeing a pinned buffer during static destruction, after CUDA's stream pool is gone, aborts.
+  static auto* check = new PendingTargetCheck;
+  return *check;
 }
 std::mutex& pending_check_mutex() {
   static std::mutex m;
