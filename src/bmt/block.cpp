@@ -1,4 +1,5 @@
 #include "bmt/block.h"
+#include "bmt/block_internal.h"
 
 #include <ATen/core/ivalue.h>
 #include <c10/core/StreamGuard.h>
@@ -10,7 +11,6 @@
 #include <mutex>
 
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/accumulate.h"
 #include "bmt/init.h"
 #include "bmt/memory_stats.h"
 #include "bmt/param_registry.h"
@@ -23,12 +23,6 @@ namespace bmt {
 namespace {
 
 constexpr int64_t kAlignBytes = 512;
-int g_grad_sync_disabled = 0;
-std::map<int, GradReadyHook>& grad_ready_hooks() {
-  static std::map<int, GradReadyHook> hooks;
-  return hooks;
-}
-int g_next_hook_id = 0;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -60,21 +54,6 @@ void restore_rng(const RngState& s) {
   }
 }
 
-// dst += src (same numel). An fp32 CUDA destination with a contiguous half or fp32 source takes the vectorised
-// kernel (torch's mixed-dtype add is an unvectorised casting loop, ~2x slower); everything else at::add_.
-void accumulate_into(const at::Tensor& dst, const at::Tensor& src) {
-#ifdef BMT_WITH_CUDA
-  if (dst.is_cuda() && dst.scalar_type() == at::kFloat && dst.is_contiguous() && src.is_contiguous() &&
-      src.device() == dst.device() &&
-      (src.scalar_type() == at::kBFloat16 || src.scalar_type() == at::kHalf || src.scalar_type() == at::kFloat)) {
-    core::kernels::accumulate_fp32_cuda(dst.data_ptr<float>(), src.data_ptr(), to_core_dtype(src.scalar_type()),
-                                        dst.numel(), current_stream_handle(dst));
-    return;
-  }
-#endif
-  dst.add_(src);
-}
-
 // Frees the bytes of t's storage but keeps the storage object, so that views autograd saved in forward
 // (ZeRO-3 without checkpointing) stay valid handles and see the data again once the storage is refilled.
 void free_bytes(const at::Tensor& t) {
@@ -84,31 +63,6 @@ void free_bytes(const at::Tensor& t) {
 }
 
 }  // namespace
-
-struct Block::Group {
-  at::ScalarType dtype;
-  std::shared_ptr<core::Communicator> comm;
-  TpGradReduce tp_grad_reduce = TpGradReduce::kNone;  // tp-replicated parameters: all-reduce over tp after reducing
-  int64_t used_numel = 0;       // packed length incl. alignment padding
-  int64_t partition_numel = 0;  // shard length; the full buffer is partition_numel * comm->size()
-  at::Tensor shard;
-  at::Tensor grad_shard;          // allocated when some parameter of the group requires grad
-  at::Tensor full;                // gathered buffer (only between gather and release)
-  at::Tensor full_store;          // the one storage `full` uses (several ranks); its bytes are freed on release
-  at::Tensor deferred_grad_full;  // accumulation while GradSyncGuard defers reduction
-  std::optional<c10::Event> ready;  // recorded on the comm stream when `full` is complete
-};
-
-struct Block::Slot {
-  at::Tensor param;
-  std::string name;
-  size_t group = 0;
-  int64_t offset = 0;  // in the group's packed (full) space
-  int64_t numel = 0;
-  std::vector<int64_t> shape;
-  int64_t local_begin = 0;  // intersection with this rank's partition, in shard coordinates
-  int64_t local_numel = 0;
-};
 
 struct Block::CallState : torch::CustomClassHolder {
   std::vector<at::Tensor> inputs;        // as given (recompute)
@@ -467,74 +421,10 @@ std::vector<at::Tensor> Block::run_backward(CallState& state, const std::vector<
   for (size_t k = 0; k < slot_index.size(); ++k) param_grads[slot_index[k]] = grads[input_index.size() + k];
   reduce_gradients(param_grads);
   release();
-  if (grad_sync_enabled())
-    for (auto& kv : grad_ready_hooks()) kv.second(*this);
+  if (grad_sync_enabled()) run_grad_ready_hooks(*this);
   std::vector<at::Tensor> input_grads(state.inputs.size());
   for (size_t k = 0; k < input_index.size(); ++k) input_grads[input_index[k]] = grads[k];
   return input_grads;
-}
-
-at::Tensor Block::packed_gradient(const Group& g, size_t gi, const std::vector<at::Tensor>& param_grads) const {
-  // Every element is written once: parameter gradients (zeros where a parameter got none) and the alignment gaps.
-  at::Tensor flat = at::empty({g.partition_numel * g.comm->size()}, g.grad_shard.options());
-  int64_t filled = 0;  // slots of a group are laid out in increasing offsets
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    const Slot& s = *slots_[i];
-    if (s.group != gi) continue;
-    if (s.offset > filled) flat.narrow(0, filled, s.offset - filled).zero_();
-    at::Tensor dst = flat.narrow(0, s.offset, s.numel);
-    if (param_grads[i].defined()) dst.copy_(param_grads[i].reshape({-1}));
-    else dst.zero_();
-    filled = s.offset + s.numel;
-  }
-  if (flat.numel() > filled) flat.narrow(0, filled, flat.numel() - filled).zero_();
-  return flat;
-}
-
-void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
-  auto calc = compute_stream();
-  auto comm_s = comm_stream();
-  for (size_t gi = 0; gi < groups_.size(); ++gi) {
-    Group& g = *groups_[gi];
-    bool any = false;
-    for (size_t i = 0; i < slots_.size(); ++i) any = any || (slots_[i]->group == gi && param_grads[i].defined());
-    if (!any && !g.deferred_grad_full.defined()) continue;
-    const at::ScalarType rdt = g.grad_shard.scalar_type();
-    const int ws = g.comm->size();
-    if (ws == 1 && grad_sync_enabled() && !g.deferred_grad_full.defined() && g.tp_grad_reduce == TpGradReduce::kNone) {
-      // One rank, nothing to reduce: accumulate straight into the shard (same layout), on the compute stream.
-      for (size_t i = 0; i < slots_.size(); ++i)
-        if (slots_[i]->group == gi && param_grads[i].defined())
-          accumulate_into(g.grad_shard.narrow(0, slots_[i]->offset, slots_[i]->numel), param_grads[i].reshape({-1}));
-      continue;
-    }
-    at::Tensor flat = packed_gradient(g, gi, param_grads);
-    if (!grad_sync_enabled()) {
-      if (!g.deferred_grad_full.defined()) {
-        g.deferred_grad_full = flat;
-        memory::add_grad_bytes(flat.nbytes());
-      } else {
-        g.deferred_grad_full.add_(flat);
-      }
-      continue;
-    }
-    if (g.deferred_grad_full.defined()) {
-      flat.add_(g.deferred_grad_full);
-      memory::add_grad_bytes(-g.deferred_grad_full.nbytes());
-      g.deferred_grad_full = at::Tensor();
-    }
-    stream_wait(comm_s, calc);
-    std::optional<c10::StreamGuard> guard;
-    if (comm_s) {
-      guard.emplace(*comm_s);
-      flat.record_stream(*comm_s);
-    }
-    at::Tensor mine = at::empty({g.partition_numel}, flat.options());
-    g.comm->reduce_scatter(flat.data_ptr(), mine.data_ptr(), g.partition_numel, to_core_dtype(rdt), options_.reduce_op,
-                           comm_s ? comm_s->native_handle() : nullptr);
-    reduce_over_tp(mine, g.tp_grad_reduce);  // on the comm stream (current under the guard)
-    g.grad_shard.add_(mine);
-  }
 }
 
 at::Tensor Block::gather_param_copy(const at::Tensor& param) {
@@ -570,15 +460,5 @@ void Block::scatter_param(const at::Tensor& param, const at::Tensor& full) {
   }
   BMT_ASSERT(false, "parameter not found in its Block");
 }
-
-int add_grad_ready_hook(GradReadyHook hook) {
-  grad_ready_hooks()[g_next_hook_id] = std::move(hook);
-  return g_next_hook_id++;
-}
-void remove_grad_ready_hook(int id) { grad_ready_hooks().erase(id); }
-
-GradSyncGuard::GradSyncGuard() { ++g_grad_sync_disabled; }
-GradSyncGuard::~GradSyncGuard() { --g_grad_sync_disabled; }
-bool grad_sync_enabled() { return g_grad_sync_disabled == 0; }
 
 }  // namespace bmt

@@ -1,0 +1,126 @@
+// bmt-bench-train's command line and model shapes.
+#include "bench_train_args.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "models/presets.h"
+
+namespace bench {
+namespace {
+
+constexpr int64_t kVocab = 50304;
+
+const char* kUsage =
+    "usage: bmt-bench-train --framework bmt|plain --preset tiny|gpt2-124m|gpt-1.3b|gpt-6.7b|llama-7b\n"
+    "                       [--seq T] [--batch B] [--steps N (10)] [--warmup W (3)] [--checkpointing] [--offload]\n"
+    "                       [--zero 2|3] [--json PATH] [--arch gpt|llama] [--device auto|cpu|cuda (plain)]\n"
+    "                       [--plain-adamw fused|torch] [--autocast auto|on|off (plain, bf16)] [--raw-step (bmt)]\n"
+    "                       [--no-overlap (offload: update every Block after the backward)]\n"
+    "                       [--offload-blocks (CPU Adam for the Blocks' parameters only, GPU Adam for the rest)]\n"
+    "                       [--offload-gpu-blocks K (--offload-blocks, and the first K Blocks keep GPU Adam too)]\n"
+    "                       [--offload-grad-bf16 (offload: gradients cross the bus rounded to bf16)]\n"
+    "                       [--offload-async (offload: the next forward waits per Block for the CPU updates)]\n"
+    "                       [--profile (2 extra steps under the profiler: GPU busy vs idle, top kernels)]\n"
+    "                       [--force (skip the host memory check)]\n"
+    "                       [--seed S] [--tp N (bmt: tensor parallelism; run under bmtrun with N | world)]\n";
+
+}  // namespace
+
+const char* usage() { return kUsage; }
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  auto need = [&](int& i) -> std::string {
+    if (i + 1 >= argc) throw std::invalid_argument(std::string(argv[i]) + " needs a value");
+    return argv[++i];
+  };
+  auto to_int = [](const std::string& flag, const std::string& v) -> int64_t {
+    size_t pos = 0;
+    int64_t x = 0;
+    try {
+      x = std::stoll(v, &pos);
+    } catch (const std::exception&) {
+      pos = 0;
+    }
+    if (pos != v.size() || v.empty()) throw std::invalid_argument(flag + ": not an integer: '" + v + "'");
+    return x;
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (f == "--framework") a.framework = need(i);
+    else if (f == "--preset") a.preset = need(i);
+    else if (f == "--arch") a.arch = need(i);
+    else if (f == "--seq") a.seq = to_int(f, need(i));
+    else if (f == "--batch") a.batch = to_int(f, need(i));
+    else if (f == "--steps") a.steps = to_int(f, need(i));
+    else if (f == "--warmup") a.warmup = to_int(f, need(i));
+    else if (f == "--zero") a.zero = static_cast<int>(to_int(f, need(i)));
+    else if (f == "--tp") a.tp = static_cast<int>(to_int(f, need(i)));
+    else if (f == "--json") a.json_path = need(i);
+    else if (f == "--device") a.device = need(i);
+    else if (f == "--plain-adamw") a.plain_adamw = need(i);
+    else if (f == "--autocast") a.autocast = need(i);
+    else if (f == "--seed") a.seed = static_cast<uint64_t>(to_int(f, need(i)));
+    else if (f == "--checkpointing") a.checkpointing = true;
+    else if (f == "--offload") a.offload = true;
+    else if (f == "--offload-blocks") a.offload = a.offload_blocks_only = true;
+    else if (f == "--offload-gpu-blocks") {
+      a.offload = a.offload_blocks_only = true;
+      a.offload_gpu_blocks = to_int(f, need(i));
+    } else if (f == "--offload-grad-bf16") a.offload_grad_bf16 = true;
+    else if (f == "--offload-async") a.offload_async = true;
+    else if (f == "--profile") a.profile = true;
+    else if (f == "--raw-step") a.raw_step = true;
+    else if (f == "--no-overlap") a.no_overlap = true;
+    else if (f == "--force") a.force = true;
+    else if (f == "--help" || f == "-h") {
+      std::printf("%s", kUsage);
+      std::exit(0);
+    } else {
+      throw std::invalid_argument("unknown argument '" + f + "'");
+    }
+  }
+  if (a.framework == "bmtrain") a.framework = "bmt";
+  if (a.framework != "bmt" && a.framework != "plain")
+    throw std::invalid_argument("--framework must be bmt or plain, got '" + a.framework + "'");
+  if (a.zero != 2 && a.zero != 3) throw std::invalid_argument("--zero must be 2 or 3");
+  if (a.offload_blocks_only && a.raw_step) throw std::invalid_argument("--offload-blocks needs the OptimManager (no --raw-step)");
+  if (a.offload_gpu_blocks < 0) throw std::invalid_argument("--offload-gpu-blocks must be >= 0");
+  if ((a.offload_grad_bf16 || a.offload_async) && !a.offload)
+    throw std::invalid_argument("--offload-grad-bf16 and --offload-async need --offload");
+  if (a.tp < 1 || (a.tp > 1 && a.framework != "bmt")) throw std::invalid_argument("--tp N (>= 1) is for --framework bmt");
+  if (a.steps < 1 || a.warmup < 0) throw std::invalid_argument("--steps must be >= 1 and --warmup >= 0");
+  if (a.seq < 0 || a.batch < 0) throw std::invalid_argument("--seq and --batch must be positive");
+  if (a.device != "auto" && a.device != "cpu" && a.device != "cuda")
+    throw std::invalid_argument("--device must be auto, cpu or cuda");
+  if (a.autocast != "auto" && a.autocast != "on" && a.autocast != "off")
+    throw std::invalid_argument("--autocast must be auto, on or off");
+  if (a.plain_adamw != "fused" && a.plain_adamw != "torch")
+    throw std::invalid_argument("--plain-adamw must be fused or torch");
+  return a;
+}
+
+Shape resolve_shape(const Args& a) {
+  Shape s;
+  if (a.preset == "gpt-6.7b") {
+    s.model.num_layers = 32;
+    s.model.dim = 4096;
+    s.model.num_heads = 32;
+    s.model.ffn_dim = 16384;
+    s.model.max_seq_len = 2048;
+    s.default_batch = 2;
+  } else {
+    const examples::Preset& p = examples::find_preset(a.preset);  // throws listing the known names
+    s.model = p.model;
+    s.default_batch = p.train.batch_per_rank;
+  }
+  s.model.arch = !a.arch.empty() ? a.arch : (a.preset.rfind("llama", 0) == 0 ? "llama" : "gpt");
+  s.model.vocab_size = kVocab;
+  if (a.seq > 0) s.model.max_seq_len = a.seq;
+  s.model.validate();
+  return s;
+}
+
+}  // namespace bench

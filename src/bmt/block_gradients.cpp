@@ -1,0 +1,120 @@
+// Block: packing and reducing parameter gradients into the gradient shards, deferred reduction (GradSyncGuard)
+// and the grad-ready hooks run after a Block's gradients are reduced.
+#include <c10/core/StreamGuard.h>
+
+#include <map>
+#include <optional>
+
+#include "bmt/block.h"
+#include "bmt/block_internal.h"
+#include "bmt/core/kernels/accumulate.h"
+#include "bmt/memory_stats.h"
+#include "bmt/parameter.h"
+#include "bmt/stream_sync.h"
+#include "bmt/tensor_adapter.h"
+
+namespace bmt {
+namespace {
+
+int g_grad_sync_disabled = 0;
+std::map<int, GradReadyHook>& grad_ready_hooks() {
+  static std::map<int, GradReadyHook> hooks;
+  return hooks;
+}
+int g_next_hook_id = 0;
+
+// dst += src (same numel). An fp32 CUDA destination with a contiguous half or fp32 source takes the vectorised
+// kernel (torch's mixed-dtype add is an unvectorised casting loop, ~2x slower); everything else at::add_.
+void accumulate_into(const at::Tensor& dst, const at::Tensor& src) {
+#ifdef BMT_WITH_CUDA
+  if (dst.is_cuda() && dst.scalar_type() == at::kFloat && dst.is_contiguous() && src.is_contiguous() &&
+      src.device() == dst.device() &&
+      (src.scalar_type() == at::kBFloat16 || src.scalar_type() == at::kHalf || src.scalar_type() == at::kFloat)) {
+    core::kernels::accumulate_fp32_cuda(dst.data_ptr<float>(), src.data_ptr(), to_core_dtype(src.scalar_type()),
+                                        dst.numel(), current_stream_handle(dst));
+    return;
+  }
+#endif
+  dst.add_(src);
+}
+
+}  // namespace
+
+void run_grad_ready_hooks(Block& block) {
+  for (auto& kv : grad_ready_hooks()) kv.second(block);
+}
+
+at::Tensor Block::packed_gradient(const Group& g, size_t gi, const std::vector<at::Tensor>& param_grads) const {
+  // Every element is written once: parameter gradients (zeros where a parameter got none) and the alignment gaps.
+  at::Tensor flat = at::empty({g.partition_numel * g.comm->size()}, g.grad_shard.options());
+  int64_t filled = 0;  // slots of a group are laid out in increasing offsets
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = *slots_[i];
+    if (s.group != gi) continue;
+    if (s.offset > filled) flat.narrow(0, filled, s.offset - filled).zero_();
+    at::Tensor dst = flat.narrow(0, s.offset, s.numel);
+    if (param_grads[i].defined()) dst.copy_(param_grads[i].reshape({-1}));
+    else dst.zero_();
+    filled = s.offset + s.numel;
+  }
+  if (flat.numel() > filled) flat.narrow(0, filled, flat.numel() - filled).zero_();
+  return flat;
+}
+
+void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
+  auto calc = compute_stream();
+  auto comm_s = comm_stream();
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = *groups_[gi];
+    bool any = false;
+    for (size_t i = 0; i < slots_.size(); ++i) any = any || (slots_[i]->group == gi && param_grads[i].defined());
+    if (!any && !g.deferred_grad_full.defined()) continue;
+    const at::ScalarType rdt = g.grad_shard.scalar_type();
+    const int ws = g.comm->size();
+    if (ws == 1 && grad_sync_enabled() && !g.deferred_grad_full.defined() && g.tp_grad_reduce == TpGradReduce::kNone) {
+      // One rank, nothing to reduce: accumulate straight into the shard (same layout), on the compute stream.
+      for (size_t i = 0; i < slots_.size(); ++i)
+        if (slots_[i]->group == gi && param_grads[i].defined())
+          accumulate_into(g.grad_shard.narrow(0, slots_[i]->offset, slots_[i]->numel), param_grads[i].reshape({-1}));
+      continue;
+    }
+    at::Tensor flat = packed_gradient(g, gi, param_grads);
+    if (!grad_sync_enabled()) {
+      if (!g.deferred_grad_full.defined()) {
+        g.deferred_grad_full = flat;
+        memory::add_grad_bytes(flat.nbytes());
+      } else {
+        g.deferred_grad_full.add_(flat);
+      }
+      continue;
+    }
+    if (g.deferred_grad_full.defined()) {
+      flat.add_(g.deferred_grad_full);
+      memory::add_grad_bytes(-g.deferred_grad_full.nbytes());
+      g.deferred_grad_full = at::Tensor();
+    }
+    stream_wait(comm_s, calc);
+    std::optional<c10::StreamGuard> guard;
+    if (comm_s) {
+      guard.emplace(*comm_s);
+      flat.record_stream(*comm_s);
+    }
+    at::Tensor mine = at::empty({g.partition_numel}, flat.options());
+    g.comm->reduce_scatter(flat.data_ptr(), mine.data_ptr(), g.partition_numel, to_core_dtype(rdt), options_.reduce_op,
+                           comm_s ? comm_s->native_handle() : nullptr);
+    reduce_over_tp(mine, g.tp_grad_reduce);  // on the comm stream (current under the guard)
+    g.grad_shard.add_(mine);
+  }
+}
+
+int add_grad_ready_hook(GradReadyHook hook) {
+  grad_ready_hooks()[g_next_hook_id] = std::move(hook);
+  return g_next_hook_id++;
+}
+void remove_grad_ready_hook(int id) { grad_ready_hooks().erase(id); }
+
+GradSyncGuard::GradSyncGuard() { ++g_grad_sync_disabled; }
+GradSyncGuard::~GradSyncGuard() { --g_grad_sync_disabled; }
+bool grad_sync_enabled() { return g_grad_sync_disabled == 0; }
+
+}  // namespace bmt
