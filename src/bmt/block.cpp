@@ -205,7 +205,7 @@ int64_t Block::shard_nbytes() const {
 int64_t Block::full_nbytes() const {
   int64_t n = 0;
   for (auto& g : groups_)
-    if (g->full.defined() && !g->full.is_same(g->shard)) n += g->full.nbytes();
+    if (g->owns_full()) n += g->full.nbytes();
   return n;
 }
 int64_t Block::gathered_storage_nbytes() const {
@@ -312,7 +312,7 @@ void Block::release() {
   if (!buffers_ready_) return;
   memory::add_full_bytes(-full_nbytes());
   for (auto& g : groups_) {
-    if (g->full.defined() && !g->full.is_same(g->shard)) free_bytes(g->full);
+    if (g->owns_full()) free_bytes(g->full);
     g->full = at::Tensor();
     g->ready.reset();
   }
@@ -428,7 +428,6 @@ std::vector<at::Tensor> Block::run_backward(CallState& state, const std::vector<
 }
 
 at::Tensor Block::gather_param_copy(const at::Tensor& param) {
-  wait_pending_updates();  // the shards are read
   for (auto& s : slots_) {
     if (!s->param.is_same(param)) continue;
     bool had = buffers_ready_;

@@ -28,6 +28,9 @@ struct Block::Group {
   at::Tensor full_store;          // the one storage `full` uses (several ranks); its bytes are freed on release
   at::Tensor deferred_grad_full;  // accumulation while GradSyncGuard defers reduction
   std::optional<c10::Event> ready;  // recorded on the comm stream when `full` is complete
+
+  // `full` is a gathered buffer of its own (not the one-rank alias of the shard).
+  bool owns_full() const { return full.defined() && !full.is_same(shard); }
 };
 
 struct Block::Slot {

@@ -268,6 +268,7 @@ at::Tensor fused_cross_entropy(const at::Tensor& logits_in, const at::Tensor& ta
   at::Tensor tgt = target.contiguous();
   const int64_t c = logits.size(1);
   VocabSlice slice{0, c, nullptr};
+  at::Tensor bad;  // CUDA, not parallel: the rows whose target is bad, checked on the host one call later
   if (options.parallel) {
     BMT_CHECK(is_initialized(), "fused_cross_entropy(parallel=true) needs the tensor-parallel group: call "
               "bmt::init_distributed (with InitOptions::tp_size) first, or use parallel=false");
@@ -278,21 +279,20 @@ at::Tensor fused_cross_entropy(const at::Tensor& logits_in, const at::Tensor& ta
   } else if (logits.is_cuda()) {
 #ifdef BMT_WITH_CUDA
     resolve_pending_check();  // the previous call's verdict (raises for it)
-    at::Tensor bad = bad_target_mask(tgt, options.ignore_index, c);
+    bad = bad_target_mask(tgt, options.ignore_index, c);
     arm_pending_check(bad, tgt, c);
-    at::Tensor loss = FusedCrossEntropyFn::apply(logits, tgt, options.ignore_index,
-                                                 static_cast<int64_t>(options.reduction), options.label_smoothing,
-                                                 slice.begin, slice.total, 0, options.inplace);
-    // A bad target makes the loss NaN (no host synchronisation here; the error comes at the next call).
-    at::Tensor poisoned = options.reduction == Reduction::kNone ? bad : bad.any();
-    return at::where(poisoned, at::full({}, std::nanf(""), loss.options()), loss);
 #endif
   } else if (bad_target_count(tgt, options.ignore_index, c).item<int64_t>() > 0) {
     throw_bad_target(tgt, options.ignore_index, c, "");
   }
-  return FusedCrossEntropyFn::apply(logits, tgt, options.ignore_index, static_cast<int64_t>(options.reduction),
-                                    options.label_smoothing, slice.begin, slice.total,
-                                    reinterpret_cast<int64_t>(slice.comm), options.inplace);
+  at::Tensor loss = FusedCrossEntropyFn::apply(logits, tgt, options.ignore_index,
+                                               static_cast<int64_t>(options.reduction), options.label_smoothing,
+                                               slice.begin, slice.total, reinterpret_cast<int64_t>(slice.comm),
+                                               options.inplace);
+  if (!bad.defined()) return loss;
+  // A bad target makes the loss NaN (no host synchronisation here; the error comes at the next call).
+  at::Tensor poisoned = options.reduction == Reduction::kNone ? bad : bad.any();
+  return at::where(poisoned, at::full({}, std::nanf(""), loss.options()), loss);
 }
 
 }  // namespace bmt::loss
