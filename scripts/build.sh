@@ -14,6 +14,10 @@ else
   dir=build
   flags=(-DBMT_WITH_CUDA=OFF)
 fi
+# ccache (when installed) lets several build folders and worktrees share compiled objects.
+if command -v ccache >/dev/null 2>&1; then
+  flags+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
 if [ ! -f "$dir/build.ninja" ]; then
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${flags[@]}" ${BMT_CMAKE_ARGS:-}
 fi
