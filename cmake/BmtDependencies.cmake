@@ -1,5 +1,5 @@
 # Finds LibTorch (from the pip package), CUDA + NCCL (optional) and GoogleTest, with clear errors.
-find_package(Python3 COMPONENTS Interpreter REQUIRED)
+find_package(Python3 COMPONENTS Interpreter REQUIRED OPTIONAL_COMPONENTS Development.Module)
 if(NOT Torch_DIR)
   execute_process(COMMAND ${Python3_EXECUTABLE} -c "import torch; print(torch.utils.cmake_prefix_path)"
                   OUTPUT_VARIABLE _bmt_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _bmt_rc)

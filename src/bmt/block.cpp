@@ -70,6 +70,7 @@ struct Block::CallState : torch::CustomClassHolder {
   std::vector<at::Tensor> graph_inputs;   // no-checkpoint: detached leaves the graph starts from
   std::vector<at::Tensor> graph_outputs;  // no-checkpoint: outputs with their graph
   RngState rng;
+  CallContext context;
 };
 
 namespace {
@@ -82,6 +83,7 @@ struct BlockFn : torch::autograd::Function<BlockFn> {
   static variable_list forward(AutogradContext* ctx, int64_t block_ptr, at::TensorList all_inputs) {
     auto* block = reinterpret_cast<Block*>(block_ptr);
     auto state = c10::make_intrusive<Block::CallState>();
+    state->context = Block::current_call_context();
     std::vector<at::Tensor> inputs(all_inputs.begin(), all_inputs.end() - 1);  // drop the anchor
     auto outs = block->run_forward(*state, inputs);
     ctx->saved_data["block"] = block_ptr;
@@ -319,7 +321,30 @@ void Block::release() {
   buffers_ready_ = false;
 }
 
-std::vector<at::Tensor> Block::forward(const std::vector<at::Tensor>& inputs) {
+namespace {
+thread_local CallContext current_context;
+
+// Makes a call context current for the scope (restoring the previous one: forward functions may nest Blocks).
+class ContextScope {
+ public:
+  explicit ContextScope(const CallContext& c) : previous_(std::move(current_context)) { current_context = c; }
+  ~ContextScope() { current_context = std::move(previous_); }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  CallContext previous_;
+};
+}  // namespace
+
+const CallContext& Block::current_call_context() { return current_context; }
+
+std::vector<at::Tensor> Block::call_forward_fn(const std::vector<at::Tensor>& inputs, const CallContext& context) {
+  ContextScope scope(context);
+  return forward_fn_(inputs);
+}
+
+std::vector<at::Tensor> Block::forward(const std::vector<at::Tensor>& inputs, CallContext context) {
   bool any_grad = false;
   for (auto& t : inputs) any_grad = any_grad || (t.defined() && t.requires_grad());
   bool param_grad = false;
@@ -330,7 +355,7 @@ std::vector<at::Tensor> Block::forward(const std::vector<at::Tensor>& inputs) {
     std::vector<at::Tensor> out;
     try {
       at::NoGradGuard guard;
-      out = forward_fn_(inputs);
+      out = call_forward_fn(inputs, context);
     } catch (...) {
       release();
       throw;
@@ -340,6 +365,7 @@ std::vector<at::Tensor> Block::forward(const std::vector<at::Tensor>& inputs) {
   }
   variable_list args(inputs.begin(), inputs.end());
   args.push_back(anchor_);
+  ContextScope scope(context);  // BlockFn::forward keeps it in the call's state
   return BlockFn::apply(reinterpret_cast<int64_t>(this), at::TensorList(args));
 }
 
@@ -351,7 +377,7 @@ std::vector<at::Tensor> Block::run_forward(CallState& state, const std::vector<a
   std::vector<at::Tensor> out;
   try {
     if (options_.use_checkpoint) {
-      out = forward_fn_(inputs);  // grad mode is off inside an autograd Function's forward
+      out = call_forward_fn(inputs, state.context);  // grad mode is off inside an autograd Function's forward
     } else {
       at::AutoGradMode enable(true);
       for (size_t i = 0; i < inputs.size(); ++i) {
@@ -359,7 +385,7 @@ std::vector<at::Tensor> Block::run_forward(CallState& state, const std::vector<a
         if (state.input_requires_grad[i]) t.requires_grad_(true);
         state.graph_inputs.push_back(t);
       }
-      state.graph_outputs = forward_fn_(state.graph_inputs);
+      state.graph_outputs = call_forward_fn(state.graph_inputs, state.context);
       for (auto& o : state.graph_outputs) out.push_back(o.detach());
     }
   } catch (...) {
@@ -384,7 +410,7 @@ std::vector<at::Tensor> Block::run_backward(CallState& state, const std::vector<
       if (state.input_requires_grad[i]) t.requires_grad_(true);
       graph_inputs.push_back(t);
     }
-    outputs = forward_fn_(graph_inputs);
+    outputs = call_forward_fn(graph_inputs, state.context);
     restore_rng(now);
   } else {
     graph_inputs = state.graph_inputs;

@@ -42,6 +42,10 @@ struct BlockOptions {
 };
 
 using BlockForward = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+// A value of one forward call that the forward function needs again when the backward recomputes it (a binding's
+// non-tensor arguments and output structure, say). The Block keeps it with the call's saved state and makes it
+// current (Block::current_call_context()) around every run of the forward function for that call.
+using CallContext = std::shared_ptr<void>;
 
 class TransformerBlockList;
 
@@ -53,7 +57,9 @@ class Block : public std::enable_shared_from_this<Block> {
   Block& operator=(const Block&) = delete;
 
   // Runs the module. Inputs that require grad receive gradients; others are passed through.
-  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& inputs);
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& inputs, CallContext context = nullptr);
+  // The context of the call whose forward function runs on this thread (nullptr outside one, or when none given).
+  static const CallContext& current_call_context();
   at::Tensor forward(const at::Tensor& input) { return forward(std::vector<at::Tensor>{input})[0]; }
 
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
@@ -98,6 +104,8 @@ class Block : public std::enable_shared_from_this<Block> {
   // read or written.
   void wait_pending_updates();
   static at::Tensor materialize_full(Group& g);
+  // forward_fn_ with `context` current on this thread.
+  std::vector<at::Tensor> call_forward_fn(const std::vector<at::Tensor>& inputs, const CallContext& context);
   void reduce_gradients(const std::vector<at::Tensor>& param_grads);
   at::Tensor packed_gradient(const Group& g, size_t group_index, const std::vector<at::Tensor>& param_grads) const;
 

@@ -20,7 +20,7 @@ TransformerBlockList::TransformerBlockList(std::vector<std::shared_ptr<Block>> b
 }
 
 std::vector<at::Tensor> TransformerBlockList::forward(std::vector<at::Tensor> args, int num_hidden,
-                                                      bool return_hidden_states) {
+                                                      bool return_hidden_states, CallContext context) {
   BMT_CHECK(num_hidden >= 1 && num_hidden <= static_cast<int>(args.size()), "TransformerBlockList: num_hidden ",
             num_hidden, " must be in [1, number of arguments = ", args.size(), "]");
   std::vector<std::vector<at::Tensor>> layer_inputs(num_hidden);
@@ -28,7 +28,7 @@ std::vector<at::Tensor> TransformerBlockList::forward(std::vector<at::Tensor> ar
     for (int d = 1; d <= prefetch_depth_ && i + d < blocks_.size(); ++d) blocks_[i + d]->prefetch();
     if (return_hidden_states)
       for (int h = 0; h < num_hidden; ++h) layer_inputs[h].push_back(args[h]);
-    std::vector<at::Tensor> out = blocks_[i]->forward(args);
+    std::vector<at::Tensor> out = blocks_[i]->forward(args, context);
     BMT_CHECK(static_cast<int>(out.size()) >= num_hidden, "TransformerBlockList: block ", i, " returned ", out.size(),
               " tensors but num_hidden is ", num_hidden);
     for (int h = 0; h < num_hidden; ++h) args[h] = out[h];

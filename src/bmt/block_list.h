@@ -22,8 +22,9 @@ class TransformerBlockList : public torch::nn::Module {
   // The first `num_hidden` tensors of `args` are threaded through the blocks (each block's first num_hidden
   // outputs replace them); the rest are passed unchanged to every block. Returns the final hidden states; with
   // return_hidden_states, also one stacked tensor per hidden state holding every block's input
-  // (shape (num_blocks, ...)), appended after them.
-  std::vector<at::Tensor> forward(std::vector<at::Tensor> args, int num_hidden = 1, bool return_hidden_states = false);
+  // (shape (num_blocks, ...)), appended after them. `context` is passed to every Block's call (Block::forward).
+  std::vector<at::Tensor> forward(std::vector<at::Tensor> args, int num_hidden = 1, bool return_hidden_states = false,
+                                  CallContext context = nullptr);
   at::Tensor forward(const at::Tensor& hidden) { return forward(std::vector<at::Tensor>{hidden})[0]; }
 
   size_t size() const { return blocks_.size(); }

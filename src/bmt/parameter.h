@@ -98,6 +98,12 @@ void set_tp_grad_reduce(const at::Tensor& param, TpGradReduce reduce);
 // The same for every replicated DistributedParameter of `module` (recursively).
 void set_tp_grad_reduce(torch::nn::Module& module, TpGradReduce reduce);
 
+// Makes `target`, an existing tensor object (e.g. the one a Python torch.nn.Parameter wraps: torch.nn.Parameter(t)
+// makes a new TensorImpl, so a record made for `t` would not be found for it), the DistributedParameter that
+// `created` is: its shard storage and its record move over, and `created` is forgotten. `target` keeps its
+// requires_grad. Neither may belong to a Block yet.
+void adopt_distributed_parameter(const at::Tensor& target, const at::Tensor& created);
+
 bool is_distributed_param(const at::Tensor& param);
 // Throws when `param` is not a DistributedParameter.
 ParamMeta& meta_of(const at::Tensor& param);

@@ -32,6 +32,7 @@ void AdamOptions::validate(const std::string& where) const {
   BMT_CHECK(std::isfinite(eps()) && eps() > 0, where, ": eps must be a finite number > 0, got ", eps());
   BMT_CHECK(std::isfinite(weight_decay()) && weight_decay() >= 0, where,
             ": weight_decay must be a finite number >= 0, got ", weight_decay());
+  BMT_CHECK(hold_steps() >= 0, where, ": hold_steps must be >= 0, got ", hold_steps());
 }
 
 std::vector<torch::optim::OptimizerParamGroup> make_param_groups(const std::vector<ParamGroupSpec>& specs,
@@ -135,7 +136,8 @@ core::kernels::AdamTensorArgs AdamBase::kernel_args(void* param_data, const at::
   a.numel = param.numel();
   a.param_dtype = to_core_dtype(param.scalar_type());
   a.grad_dtype = to_core_dtype(grad.scalar_type());
-  core::kernels::adam_step_scalars(a, o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
+  const double lr = s.step <= o.hold_steps() ? 0.0 : o.lr();
+  core::kernels::adam_step_scalars(a, lr, std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
                                    o.weight_decay(), s.step);
   return a;
 }

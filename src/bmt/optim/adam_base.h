@@ -39,6 +39,8 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
   TORCH_ARG(betas_t, betas);
   TORCH_ARG(double, eps);
   TORCH_ARG(double, weight_decay);
+  // BMTrain's hold_steps: the first hold_steps updates of each parameter use lr 0 (the moments still advance).
+  TORCH_ARG(int64_t, hold_steps) = 0;
 
  public:
   double get_lr() const override { return lr(); }

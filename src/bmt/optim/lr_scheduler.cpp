@@ -35,10 +35,16 @@ double WarmupLRScheduler::lr_at(int64_t t) const {
 }
 
 double WarmupLRScheduler::get_lr_warmup(int64_t t) const {
-  return start_lr_ * static_cast<double>(t + 1) / static_cast<double>(warmup_iter_);
+  return start_lr_ * static_cast<double>(t + warmup_offset_) / static_cast<double>(warmup_iter_);
 }
 
 void WarmupLRScheduler::step() { step(num_iter_ + 1); }
+
+WarmupLRScheduler& WarmupLRScheduler::warmup_from_zero(bool on) {
+  warmup_offset_ = on ? 0 : 1;
+  step(num_iter_);  // re-apply the lr of the current iteration
+  return *this;
+}
 
 void WarmupLRScheduler::step(int64_t num_iter) {
   BMT_CHECK(num_iter >= 0, "lr_scheduler: num_iter must be >= 0, got ", num_iter);
@@ -84,7 +90,7 @@ Noam::Noam(std::shared_ptr<torch::optim::Optimizer> optimizer, double start_lr, 
 }
 double Noam::get_lr_warmup(int64_t t) const {
   double w = static_cast<double>(warmup_iter_);
-  return start_lr_ / std::sqrt(w) * static_cast<double>(t + 1) / w;
+  return start_lr_ / std::sqrt(w) * static_cast<double>(t + warmup_offset_) / w;
 }
 double Noam::get_lr_decay(int64_t t) const {
   return start_lr_ / std::sqrt(static_cast<double>(std::max<int64_t>(t, 1)));

@@ -49,6 +49,10 @@ class WarmupLRScheduler {
 
   // Group k's lr = lr * (its lr at construction) / (group 0's lr at construction). Off by default (BMTrain).
   WarmupLRScheduler& keep_group_ratios(bool on);
+  // BMTrain's warm-up, S * t / W (the first update uses lr 0), instead of S * (t + 1) / W. Off by default; the
+  // Python package turns it on to behave as BMTrain does. Not saved in state_dict.
+  WarmupLRScheduler& warmup_from_zero(bool on);
+  bool warmup_from_zero() const { return warmup_offset_ == 0; }
 
   StateDict state_dict() const;
   void load_state_dict(const StateDict& sd);
@@ -63,6 +67,7 @@ class WarmupLRScheduler {
   int64_t warmup_iter_, end_iter_;
   int64_t num_iter_ = 0;
   double current_lr_ = 0.0;
+  int64_t warmup_offset_ = 1;  // t + warmup_offset_ in the warm-up formulas (0: BMTrain's)
 
  private:
   void apply_lr();

@@ -1,0 +1,86 @@
+"""DistributedModule (BMTrain's bmtrain.layer): reading a DistributedParameter in forward gives the full tensor;
+state_dict holds full tensors under the module's own keys and load_state_dict writes each rank's shard."""
+import torch
+
+from . import _C
+from .global_var import config
+from .parameter import DistributedParameter
+
+_STANDALONE = 1  # _C.param_state: a DistributedParameter outside any Block
+
+
+def save_distributed(module, destination, prefix, keep_vars):
+    """Module._save_to_state_dict for modules holding DistributedParameters (collective over their groups)."""
+    torch.nn.Module._save_to_state_dict(module, destination, prefix, keep_vars)
+    for name, param in module._parameters.items():
+        if isinstance(param, DistributedParameter):
+            full = _C.gather_logical(param)
+            destination[prefix + name] = full.cpu() if config.get("save_param_to_cpu", True) else full
+
+
+def load_distributed(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Module._load_from_state_dict for modules holding DistributedParameters: checks each value's shape against
+    the parameter's logical shape and writes only this rank's shard; everything else loads as torch does."""
+    dist = {k: p for k, p in module._parameters.items() if isinstance(p, DistributedParameter)}
+    for name, param in dist.items():
+        key = prefix + name
+        if key not in state_dict:
+            missing_keys.append(key)
+            continue
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor):
+            error_msgs.append(f'While copying the parameter named "{key}", expected torch.Tensor but got '
+                              f'{type(value).__name__}.')
+            continue
+        want = tuple(_C.logical_shape(param))
+        if tuple(value.shape) != want:
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                              f"checkpoint, the shape in current model is {want}.")
+            continue
+        _C.scatter_logical(param, value.to(param.dtype))
+    saved = module.__dict__["_parameters"]
+    module.__dict__["_parameters"] = {k: p for k, p in saved.items() if k not in dist}
+    try:
+        torch.nn.Module._load_from_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                                              unexpected_keys, error_msgs)
+    finally:
+        module.__dict__["_parameters"] = saved
+    if strict:
+        mine = {prefix + k for k in dist}
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
+
+
+class DistributedModule(torch.nn.Module):
+    """BMTrain's DistributedModule. Outside a Block, reading a DistributedParameter attribute all-gathers it
+    (differentiable; read it once per forward); inside a running Block it is already the full tensor."""
+
+    def __getattr__(self, name):
+        value = super().__getattr__(name)
+        if isinstance(value, DistributedParameter) and _C.param_state(value) == _STANDALONE:
+            return _C.gathered(value)
+        return value
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        save_distributed(self, destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        load_distributed(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+def check_apply(module, fn):
+    """Module._apply guard: a DistributedParameter's storage belongs to the engine (a Block's packed shard), so
+    .to()/.half()/.cuda() may not replace it; conversions that change nothing are allowed."""
+    for name, p in module.named_parameters():
+        if isinstance(p, DistributedParameter) and fn(p) is not p:
+            raise RuntimeError(f"cannot convert or move DistributedParameter '{name}' ({p.dtype}, {p.device}): its "
+                               "storage is the engine's shard. Create the model with the dtype it trains in; "
+                               "parameters are already on bmt.config['device']")
+
+
+def _distributed_apply(self, fn, recurse=True):
+    check_apply(self, fn)
+    return torch.nn.Module._apply(self, fn, recurse)
+
+
+DistributedModule._apply = _distributed_apply

@@ -1,0 +1,38 @@
+"""bmtrain.loss.FusedCrossEntropy: the engine's fused cross-entropy (fp32 statistics on half-precision logits,
+vocabulary-parallel mode without full logits)."""
+import torch
+
+from .. import _C
+
+
+class FusedCrossEntropy(torch.nn.Module):
+    """BMTrain's FusedCrossEntropy(weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+    parallel=False). forward(input (N, C), target (N,)) -> fp32 loss. parallel=True: `input` is this
+    tensor-parallel rank's vocabulary slice (VPEmbedding's projection); every tp rank passes the same targets.
+    Class weights (not with parallel or label smoothing) scale each row's loss by weight[target], and "mean"
+    divides by the sum of the weights of the non-ignored rows, as torch.nn.functional.cross_entropy does.
+    Keyword-only inplace=True writes the gradient over the logits (saves one logits-sized buffer)."""
+
+    def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, parallel=False, *,
+                 inplace=False):
+        super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"FusedCrossEntropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        if weight is not None and (parallel or label_smoothing > 0):
+            raise ValueError("FusedCrossEntropy: class weights are supported without parallel and label_smoothing")
+        self.weight, self.ignore_index, self.reduction = weight, ignore_index, reduction
+        self.label_smoothing, self.parallel, self.inplace = label_smoothing, parallel, inplace
+
+    def forward(self, input, target):
+        if self.weight is None:
+            return _C.fused_cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing,
+                                          self.parallel, self.inplace)
+        rows = _C.fused_cross_entropy(input, target, self.ignore_index, "none", 0.0, False, self.inplace)
+        keep = target != self.ignore_index
+        w = self.weight.to(device=rows.device, dtype=torch.float32)[target.masked_fill(~keep, 0)] * keep
+        rows = rows * w
+        if self.reduction == "none":
+            return rows
+        if self.reduction == "sum":
+            return rows.sum()
+        return rows.sum() / w.sum()

@@ -1,0 +1,91 @@
+"""OptimManager (BMTrain's bmtrain.optim.OptimManager): loss scaling, the global inf/NaN check, clipping and
+LR scheduling over several optimizers, run by the engine (bmt::optim::OptimManager)."""
+from .. import _C
+from ..global_var import config
+
+
+class OptimManager:
+    """OptimManager(loss_scale=None, loss_scale_factor=2, loss_scale_steps=1024, min_loss_scale=1,
+    max_loss_scale=inf, grad_scale=None). loss_scale None disables scaling. grad_scale None = BMTrain's default,
+    world_size / pipe_size (bmt.config["zero_size"]): backward() multiplies the loss by loss_scale / grad_scale, and
+    gradients are summed over ranks, so per-rank mean losses give mean gradients."""
+
+    def __init__(self, loss_scale=None, loss_scale_factor=2, loss_scale_steps=1024, min_loss_scale=1,
+                 max_loss_scale=float("inf"), grad_scale=None):
+        if grad_scale is None:
+            grad_scale = config.get("zero_size", 1) if config["initialized"] else 1
+        self._c = _C.OptimManager(float(loss_scale or 0), float(loss_scale_factor), int(loss_scale_steps),
+                                  float(min_loss_scale), float(max_loss_scale), float(grad_scale))
+        self.optimizers = []
+        self.lr_schedulers = []
+        self._python_schedulers = []  # user subclasses of WarmupLRScheduler, stepped here
+
+    def add_optimizer(self, optimizer, lr_scheduler=None):
+        if not getattr(optimizer, "_bmtrain_optimizer", False) or not hasattr(optimizer, "_c"):
+            raise TypeError(f"OptimManager.add_optimizer: {type(optimizer).__name__} is not a bmtrain optimizer; use "
+                            "bmt.optim.AdamOptimizer or bmt.optim.AdamOffloadOptimizer")
+        engine_sched = getattr(lr_scheduler, "_c", None)
+        self._c.add_optimizer(optimizer._c, engine_sched)
+        if lr_scheduler is not None and engine_sched is None:
+            self._python_schedulers.append(lr_scheduler)
+        self.optimizers.append(optimizer)
+        self.lr_schedulers.append(lr_scheduler)
+
+    def scale_loss(self, loss):
+        return self._c.scale_loss(loss)
+
+    def backward(self, loss):
+        self._c.backward(loss)
+
+    def zero_grad(self):
+        self._c.zero_grad()
+
+    def step(self):
+        """Steps every optimizer and LR scheduler unless a gradient is inf/NaN on some rank; then the step is
+        skipped everywhere, gradients are zeroed and the loss scale lowered. Returns False when skipped."""
+        stepped = self._c.step()
+        if stepped:
+            for s in self._python_schedulers:
+                s.step()
+        return stepped
+
+    def clip_grad_norm(self, param_groups, max_norm, norm_type=2, eps=1e-6):
+        """Clips the gradients of the parameters in `param_groups` (a list of groups with "params", or of
+        parameters) to the global norm max_norm; returns the norm before clipping (unscaled)."""
+        params = []
+        for g in param_groups:
+            if isinstance(g, dict) or hasattr(g, "keys"):
+                params.extend(g["params"])
+            else:
+                params.append(g)
+        return self._c.clip_grad_norm(params, float(max_norm), float(norm_type), float(eps))
+
+    def state_dict(self, gather_opt=False):
+        if gather_opt:
+            raise NotImplementedError("OptimManager.state_dict(gather_opt=True): use bmt.save_checkpoint(...), "
+                                      "whose optimizer state loads at any world size")
+        sd = dict(self._c.state_dict())
+        for i, s in enumerate(self.lr_schedulers):
+            if s is not None and getattr(s, "_c", None) is None:
+                import torch
+                sd[f"python_lr_schedulers.{i}.num_iter"] = torch.tensor([s.num_iter], dtype=torch.int64)
+        return sd
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        extra = {k: state.pop(k) for k in list(state) if k.startswith("python_lr_schedulers.")}
+        self._c.load_state_dict(state)
+        for i, s in enumerate(self.lr_schedulers):
+            key = f"python_lr_schedulers.{i}.num_iter"
+            if key in extra:
+                s.step(int(extra[key][0]))
+
+    loss_scale = property(lambda self: self._c.loss_scale)
+    loss_scale_enabled = property(lambda self: self._c.loss_scale_enabled)
+    steps_since_last_scale = property(lambda self: self._c.steps_since_last_scale)
+    loss_scale_factor = property(lambda self: self._c.loss_scale_factor)
+    loss_scale_steps = property(lambda self: self._c.loss_scale_steps)
+    min_loss_scale = property(lambda self: self._c.min_loss_scale)
+    max_loss_scale = property(lambda self: self._c.max_loss_scale)
+    grad_scale = property(lambda self: self._c.grad_scale)
+    num_skipped_steps = property(lambda self: self._c.num_skipped_steps)

@@ -1,0 +1,82 @@
+"""DistributedParameter and ParameterInitializer (BMTrain's bmtrain.parameter).
+
+A DistributedParameter is a torch.nn.Parameter whose tensor holds only this rank's shard of the flattened full
+tensor (1-D). The C++ engine keeps its record (shape, communicator, shard range, init method) keyed by this very
+object's tensor, which is why the object is created empty first and then made distributed in place: wrapping an
+existing tensor in a new Parameter would make a tensor the engine does not know.
+"""
+import torch
+
+from . import _C
+from .global_var import config
+
+
+class DistributedParameter(torch.nn.Parameter):
+    """BMTrain's DistributedParameter(data, requires_grad=True, init_method=None, group=None, tp_mode=False,
+    tp_split_dim=-1). `data` is the full initial value (any device); only this rank's shard is kept on the
+    configured device. tp_mode=True: `data` is this tensor-parallel rank's piece of a tensor split along
+    tp_split_dim (-1: replicated over the tensor-parallel group), and the group becomes "tp"."""
+
+    def __new__(cls, data, requires_grad=True, init_method=None, group=None, tp_mode=False, tp_split_dim=-1):
+        if not config["initialized"]:
+            raise RuntimeError("BMTrain is not initialized: call bmt.init_distributed() before creating "
+                               "DistributedParameters")
+        if not isinstance(data, torch.Tensor):
+            data = torch.as_tensor(data)
+        obj = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=data.dtype, device=config["device"]),
+                                          requires_grad)
+        _C.make_distributed(obj, data.detach(), init_method, bool(tp_mode), int(tp_split_dim))
+        obj._init_method = init_method
+        obj._tp_mode = bool(tp_mode)
+        obj._tp_split_dim = int(tp_split_dim) if tp_mode else -1
+        obj._group = "tp" if tp_mode else group
+        obj._original_shape = torch.Size(_C.full_shape(obj))
+        obj._tp_original_shape = torch.Size(_C.logical_shape(obj))
+        obj._start_partition, obj._end_partition = _C.shard_range(obj)
+        obj._zero_comm = _C.param_comm(obj)
+        return obj
+
+    def __init__(self, *args, **kwargs):  # everything happened in __new__
+        pass
+
+    @property
+    def group(self):
+        return self._group
+
+    def gather(self):
+        """The full tensor (this tensor-parallel rank's piece), differentiable: outside a Block an all-gather whose
+        backward reduce-scatters into the gradient shard; inside a running Block the gathered parameter itself."""
+        return _C.gathered(self)
+
+    def gather_all(self):
+        """The whole logical tensor (also gathered over tensor parallelism); a copy, not differentiable."""
+        return _C.gather_logical(self)
+
+    def tp_gather(self):
+        return _C.gather_logical(self)
+
+    def _copy_data(self, data):
+        """Writes this rank's part of the full tensor `data` into the shard."""
+        _C.scatter_full(self, data)
+
+    def __reduce_ex__(self, proto):
+        raise TypeError("a DistributedParameter holds one shard and cannot be pickled; save the model with "
+                        "bmt.save(model, path) or its state_dict()")
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a DistributedParameter cannot be deep-copied (its shard is registered with the engine); "
+                        "build a new model and load its state_dict")
+
+
+class ParameterInitializer:
+    """BMTrain's ParameterInitializer(func, *args, **kwargs): calling it with a tensor runs
+    func(tensor, *args, **kwargs), e.g. ParameterInitializer(torch.nn.init.normal_, mean=0.0, std=0.02)."""
+
+    def __init__(self, func, *args, **kwargs):
+        self.func, self._args, self._kwargs = func, args, kwargs
+
+    def __call__(self, param):
+        self.func(param, *self._args, **self._kwargs)
+
+    def __repr__(self):
+        return f"ParameterInitializer({getattr(self.func, '__name__', self.func)!r}, {self._args}, {self._kwargs})"

@@ -1,0 +1,114 @@
+// bmtrain._C: DistributedParameter records, gathering and scattering, and the module-level functions
+// (init_parameters, state_dict, load_state_dict, consolidated save/load) over a holder of a Python model's tensors.
+#include "bmt/checkpoint/consolidated.h"
+#include "bmt/init.h"
+#include "bmt/param_registry.h"
+#include "bmt/parameter.h"
+#include "bmt/state_dict.h"
+#include "py_support.h"
+
+namespace bmt::python {
+namespace {
+
+// Where a parameter stands (DistributedModule.__getattr__ decides what reading it returns).
+enum ParamState : int { kPlain = 0, kStandalone = 1, kInRunningBlock = 2, kInIdleBlock = 3 };
+
+int param_state(const at::Tensor& p) {
+  ParamMeta* m = find_meta(p);
+  if (!m) return kPlain;
+  if (!m->block) return kStandalone;
+  return m->block->is_gathered() ? kInRunningBlock : kInIdleBlock;
+}
+
+// Turns `target` (the tensor a Python DistributedParameter object holds) into a DistributedParameter whose value is
+// `data`: the full tensor, or with tp_mode this tp rank's piece of a tensor split along tp_split_dim (-1: replicated
+// over the tp group). Only this rank's shard is kept.
+void make_distributed(const at::Tensor& target, const at::Tensor& data, py::object init_method, bool tp_mode,
+                      int tp_split_dim) {
+  InitMethod init = make_init_method(std::move(init_method));
+  py::gil_scoped_release release;
+  const Config& cfg = config();
+  at::Tensor created;
+  if (tp_mode && tp_split_dim >= 0 && cfg.tp_size > 1) {
+    BMT_CHECK(tp_split_dim < data.dim(), "DistributedParameter: tp_split_dim ", tp_split_dim,
+              " is out of range for a tensor of shape ", data.sizes());
+    std::vector<int64_t> logical = data.sizes().vec();
+    logical[static_cast<size_t>(tp_split_dim)] *= cfg.tp_size;
+    created = TensorParallelParameter(logical, tp_split_dim, data.scalar_type(), std::move(init), false,
+                                      "DistributedParameter");
+  } else {
+    created = DistributedParameter(data.sizes(), data.scalar_type(), std::move(init), false);
+  }
+  scatter_full(created, data);
+  adopt_distributed_parameter(target, created);
+}
+
+NamedTensors named_tensors(const py::iterable& items) {
+  NamedTensors out;
+  for (py::handle item : items) {
+    auto pair = item.cast<std::pair<std::string, at::Tensor>>();
+    out.push_back(std::move(pair));
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_params(py::module_& m) {
+  m.def("make_distributed", &make_distributed, py::arg("target"), py::arg("data"), py::arg("init_method") = py::none(),
+        py::arg("tp_mode") = false, py::arg("tp_split_dim") = -1);
+  m.def("is_distributed", &is_distributed_param);
+  m.def("param_state", &param_state);
+  m.def("logical_shape", [](const at::Tensor& p) { return meta_of(p).logical_shape(); });
+  m.def("full_shape", [](const at::Tensor& p) { return meta_of(p).full_shape; });
+  m.def("tp_split_dim", [](const at::Tensor& p) { return meta_of(p).is_tp_split() ? meta_of(p).tp_split_dim : -1; });
+  m.def("shard_range", [](const at::Tensor& p) {
+    const ParamMeta& meta = meta_of(p);
+    return std::make_pair(meta.shard_begin, meta.shard_end);
+  });
+  m.def("param_comm", [](const at::Tensor& p) { return meta_of(p).comm; });
+  m.def("gathered", &gathered, py::call_guard<py::gil_scoped_release>());
+  m.def("gather_full", &gather_full, py::call_guard<py::gil_scoped_release>());
+  m.def("gather_logical", &gather_logical, py::call_guard<py::gil_scoped_release>());
+  m.def("scatter_logical", &scatter_logical, py::call_guard<py::gil_scoped_release>());
+  m.def("scatter_full", &scatter_full, py::call_guard<py::gil_scoped_release>());
+  m.def("main_grad", [](const at::Tensor& p) -> py::object {
+    at::Tensor g = main_grad(p);
+    if (!g.defined()) return py::none();
+    return py::cast(g);
+  });
+
+  py::class_<torch::nn::Module, std::shared_ptr<torch::nn::Module>>(m, "ModuleHolder", py::module_local())
+      .def("parameter_names", [](torch::nn::Module& h) { return h.named_parameters().keys(); })
+      .def("buffer_names", [](torch::nn::Module& h) { return h.named_buffers().keys(); });
+  m.def("make_holder", [](const py::iterable& params, const py::iterable& buffers) {
+    return make_holder(named_tensors(params), named_tensors(buffers));
+  });
+  m.def("init_parameters", [](torch::nn::Module& holder) { init_parameters(holder); },
+        py::call_guard<py::gil_scoped_release>());
+  m.def("state_dict", [](torch::nn::Module& holder, bool to_cpu) { return state_dict(holder, to_cpu); },
+        py::arg("holder"), py::arg("to_cpu") = true, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "load_state_dict",
+      [](torch::nn::Module& holder, const StateDict& sd, bool strict) {
+        LoadResult r = load_state_dict(holder, sd, strict);
+        return std::make_pair(r.missing_keys, r.unexpected_keys);
+      },
+      py::arg("holder"), py::arg("state"), py::arg("strict") = true, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "save_consolidated",
+      [](torch::nn::Module& holder, const std::string& path) {
+        ConsolidatedStats s = save(holder, path);
+        return s.file_nbytes;
+      },
+      py::arg("holder"), py::arg("path"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "load_consolidated",
+      [](torch::nn::Module& holder, const std::string& path, bool strict) {
+        LoadResult r = load(holder, path, strict);
+        return std::make_pair(r.missing_keys, r.unexpected_keys);
+      },
+      py::arg("holder"), py::arg("path"), py::arg("strict") = true, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace bmt::python

@@ -1,0 +1,10 @@
+// bmtrain._C: the C++ engine for the Python package (python/bmtrain). Binding glue only; the logic is libbmtrain's.
+#include "py_support.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "bmtrain's C++ engine (libbmtrain) for the Python package";
+  bmt::python::bind_init(m);
+  bmt::python::bind_params(m);
+  bmt::python::bind_block(m);
+  bmt::python::bind_optim(m);
+}
