@@ -9,6 +9,12 @@ start=$(date +%s)
 bash scripts/build.sh cpu
 echo "[test] CPU build done in $(( $(date +%s) - start )) s"
 ( cd build && ctest --output-on-failure -j2 -L 'cpu|multirank' --timeout 900 )
+# The Python package: installed from the build above (nothing recompiles), then its tests on CPU ranks (torchrun,
+# Gloo) against the installed copy.
+start=$(date +%s)
+bash scripts/install_python.sh cpu
+( cd tests/python && OMP_NUM_THREADS=1 python3 -m pytest -q -p no:cacheprovider . )
+echo "[test] Python package install + tests done in $(( $(date +%s) - start )) s"
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   start=$(date +%s)
   # Library, tools and the `cuda` test binaries only: the CPU tests were built and run above.
