@@ -32,7 +32,6 @@ class DistributedParameter(torch.nn.Parameter):
         obj._group = "tp" if tp_mode else group
         obj._original_shape = torch.Size(_C.full_shape(obj))
         obj._tp_original_shape = torch.Size(_C.logical_shape(obj))
-        obj._start_partition, obj._end_partition = _C.shard_range(obj)
         obj._zero_comm = _C.param_comm(obj)
         return obj
 
@@ -42,6 +41,15 @@ class DistributedParameter(torch.nn.Parameter):
     @property
     def group(self):
         return self._group
+
+    # This rank's element range of the flattened full tensor (a Block re-packs it when it takes the parameter).
+    @property
+    def _start_partition(self):
+        return _C.shard_range(self)[0]
+
+    @property
+    def _end_partition(self):
+        return _C.shard_range(self)[1]
 
     def gather(self):
         """The full tensor (this tensor-parallel rank's piece), differentiable: outside a Block an all-gather whose
