@@ -36,6 +36,9 @@ if(BMT_CUDA)
     set(CMAKE_CUDA_COMPILER ${BMT_NVCC})
   endif()
   set(CMAKE_CUDA_ARCHITECTURES ${BMT_CUDA_ARCHITECTURES})
+  # The shared CUDA runtime, the one torch loads: the static one (CMake's default) put a second runtime, with its
+  # own copies of C++ runtime internals, into libbmtrain, which crashed inside Python (iostreams in init_distributed).
+  set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
   # One NCCL per process: prefer the pip package torch itself loads, then the toolkit's.

@@ -21,6 +21,21 @@ def _check_torch_version():
 
 _check_torch_version()
 
+
+def _share_cxx_runtime():
+    # libbmtrain can hold weak copies of C++ runtime template instances (GCC 13's headers emit some: iostream and
+    # locale ones). Python loads extensions RTLD_LOCAL, so under a libstdc++ that torch already loaded those copies
+    # would bind inside libbmtrain and split the runtime's locale state (a crash at the first ostringstream).
+    # Making the loaded libstdc++ global first binds every reference to the one runtime.
+    import ctypes
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    except OSError:  # not a GNU toolchain: nothing to share
+        pass
+
+
+_share_cxx_runtime()
+
 from . import _C  # noqa: E402  (after the version check: a mismatched _C fails with undefined symbols)
 
 __version__ = _build_info.VERSION

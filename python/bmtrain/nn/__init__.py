@@ -155,9 +155,11 @@ class OpParallelLinear:
 
 class VPEmbedding(DistributedModule):
     """BMTrain's VPEmbedding(vocab_size, embedding_size, dtype=torch.half, init_mean=0.0, init_std=1): a
-    vocabulary-parallel table (vocab/tp, dim). forward(ids): ids replicated over tp; rows combined over tp by
-    reduce-scatter along dim 0 (sequence parallel) or all-reduce. forward(x, projection=True): logits of this rank's
-    vocabulary slice (for FusedCrossEntropy(parallel=True)); x rows split over tp (sequence parallel) are gathered."""
+    vocabulary-parallel table (vocab/tp, dim). forward(ids): ids replicated over tp; every tp rank gets the full
+    rows (B, S, dim), as BMTrain's does, without gathering the table: each rank looks up its vocabulary range and
+    the partial rows are summed over tp (differentiable all-reduce: rows used on any tp rank send their gradient
+    to the rank holding them). forward(x, projection=True): logits of this rank's vocabulary slice (for
+    FusedCrossEntropy(parallel=True)); rows of x split over tp (sequence parallel) are all-gathered first."""
 
     def __init__(self, vocab_size, embedding_size, dtype=torch.half, init_mean=0.0, init_std=1):
         super().__init__()
@@ -181,7 +183,7 @@ class VPEmbedding(DistributedModule):
         local = x - self.vocab_begin
         mine = (local >= 0) & (local < self.vocab_per_partition)
         rows = F.embedding(local.masked_fill(~mine, 0), w) * mine.unsqueeze(-1).to(w.dtype)
-        return _tp.reduce_scatter_rows(rows) if self.sequence_parallel else _tp.reduce_from_tp(rows)
+        return _C.all_reduce(rows, "sum", config["tp_comm"])
 
 
 ParallelEmbedding = VPEmbedding
