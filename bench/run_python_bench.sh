@@ -2,7 +2,7 @@
 # run_python_bench.sh [BUILD_DIR]: the GPT trained through the Python package (bench/bmt_py_gpt.py) beside the same
 # model in C++ (bmt-bench-train --framework bmt), side by side on one GPU, each run its own process; then one table
 # (tokens/s, peak GiB, Python / C++). Results are appended to bench/results/<date>-<machine>.jsonl and, with $OUT
-# set, to $OUT/bench_python/. BENCH_ONLY=REGEX picks run ids; PY_BENCH_BUDGET_S (360) bounds the whole.
+# set, copied to $OUT/bench_python/ (runs.jsonl, table.txt, logs.tgz). BENCH_ONLY=REGEX picks run ids; PY_BENCH_BUDGET_S (360) bounds the whole.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-gpu}
@@ -11,8 +11,7 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} PYTHONUNBUFFERED=1 PYTHONPATH="$P
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 machine=${BMT_BENCH_MACHINE:-$(echo "${gpu:-$(hostname)}" | tr -c 'A-Za-z0-9\n' '-' | sed 's/--*/-/g;s/-$//')}
 export BMT_BENCH_MACHINE=$machine BMT_GIT_COMMIT=${BMT_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-LOG=${OUT:+$OUT/bench_python}
-LOG=${LOG:-$(mktemp -d /tmp/bench_python.XXXXXX)}
+LOG=$(mktemp -d /tmp/bench_python.XXXXXX)  # per-run logs; with $OUT set: runs.jsonl, table.txt and a tarball of them
 mkdir -p "$LOG" bench/results
 RESULTS=bench/results/$(date -u +%Y-%m-%d)-$machine.jsonl
 BUDGET=${PY_BENCH_BUDGET_S:-360}
@@ -52,6 +51,11 @@ PY
   done
 done
 cat "$LOG/runs.jsonl" >> "$RESULTS"
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT/bench_python"
+  cp "$LOG/runs.jsonl" "$OUT/bench_python/"
+  tar -czf "$OUT/bench_python/logs.tgz" -C "$LOG" . 2>/dev/null
+fi
 python3 - "$LOG/runs.jsonl" <<'PY' | tee "$LOG/table.txt"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]

@@ -12,10 +12,17 @@ _STANDALONE = 1  # _C.param_state: a DistributedParameter outside any Block
 def save_distributed(module, destination, prefix, keep_vars):
     """Module._save_to_state_dict for modules holding DistributedParameters (collective over their groups)."""
     torch.nn.Module._save_to_state_dict(module, destination, prefix, keep_vars)
+    to_cpu = config.get("save_param_to_cpu", True)
     for name, param in module._parameters.items():
         if isinstance(param, DistributedParameter):
             full = _C.gather_logical(param)
-            destination[prefix + name] = full.cpu() if config.get("save_param_to_cpu", True) else full
+            destination[prefix + name] = full.cpu() if to_cpu else full
+        elif param is not None and to_cpu and not keep_vars:
+            destination[prefix + name] = param.detach().cpu()
+    if to_cpu and not keep_vars:  # BMTrain saves plain parameters and buffers on the CPU too
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                destination[prefix + name] = buf.detach().cpu()
 
 
 def load_distributed(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
