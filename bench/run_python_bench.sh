@@ -73,3 +73,5 @@ for cid, d in by.items():
     pg = (p or {}).get("peak_gpu_gib") or float("nan")
     print(f"{name:<34} {ct:>11,.0f} {pt:>11,.0f} {pt / ct:>7.3f} {cg:>8.1f} {pg:>8.1f}")
 PY
+[ -n "${OUT:-}" ] && cp "$LOG/table.txt" "$OUT/bench_python/table.txt"
+exit 0
