@@ -7,6 +7,7 @@ from .global_var import config
 from .parameter import DistributedParameter
 
 _STANDALONE = 1  # _C.param_state: a DistributedParameter outside any Block
+_IN_IDLE_BLOCK = 3  # inside a Block that is not running (its tensor is the 1-D shard)
 
 
 def save_distributed(module, destination, prefix, keep_vars):
@@ -66,6 +67,17 @@ class DistributedModule(torch.nn.Module):
         if isinstance(value, DistributedParameter) and _C.param_state(value) == _STANDALONE:
             return _C.gathered(value)
         return value
+
+    def __call__(self, *args, **kwargs):
+        for name, p in self._parameters.items():
+            if isinstance(p, DistributedParameter):  # a module's parameters all belong to one Block, or none
+                if _C.param_state(p) == _IN_IDLE_BLOCK:
+                    raise RuntimeError(
+                        f"{type(self).__name__} was called outside its Block: its parameters (e.g. '{name}') belong "
+                        "to a bmt.Block, which gathers them only while it runs. Call the Block (or the "
+                        "TransformerBlockList holding it) instead of the module inside it.")
+                break
+        return super().__call__(*args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         save_distributed(self, destination, prefix, keep_vars)
