@@ -92,7 +92,7 @@ class LaunchResult:
             r0 = sorted(failed)[0]
             msg = failed[r0].get("error", "")
             raise AssertionError(f"{self.worker}:{case} failed on ranks {sorted(failed)} of {self.nproc} "
-                                 f"(first, rank {r0}):\n{msg}\n--- workers' output (tail) ---\n{tail(self.output, 6000)}")
+                                 f"(first, rank {r0}):\n{msg}\n--- workers' output (tail) ---\n{tail(self.output, 2500)}")
         if len(recs) < self.nproc:
             why = "timed out" if self.timed_out else f"exited with rc={self.rc}"
             raise AssertionError(f"{self.worker}:{case} was not reported by all {self.nproc} ranks "
