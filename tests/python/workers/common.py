@@ -187,14 +187,15 @@ def is_sharded(p):
     return isinstance(p, bmt.DistributedParameter)
 
 
-def full_grad(p, name="?"):
-    """The full-size gradient of a DistributedParameter, assembled from the ranks' shards (fp32, on device)."""
+def full_grad(p, name="?", main=False):
+    """The full-size gradient of a DistributedParameter, assembled from the ranks' shards (fp32, on device).
+    main=True reads bmt.main_grad(p) (the fp32 gradient shard, for any parameter dtype) instead of p.grad."""
     shape = full_shape(p)
     numel = 1
     for s in shape:
         numel *= s
     flat = torch.zeros(numel, dtype=torch.float32, device=device())
-    g = p.grad
+    g = bmt.main_grad(p) if main else p.grad
     if g is not None and g.numel() == numel and world() == 1:
         return g.detach().float().reshape(shape)
     rng = local_shard_range(p)
@@ -211,7 +212,7 @@ def full_grad(p, name="?"):
     return flat.reshape(shape)
 
 
-def compare_grads(bmt_model, ref_model, rtol=1e-5, atol=1e-6, what=""):
+def compare_grads(bmt_model, ref_model, rtol=1e-5, atol=1e-6, what="", main=False):
     """Every parameter's full gradient (bmt: assembled from shards) against the torch twin's."""
     ref = dict(ref_model.named_parameters())
     got = dict(bmt_model.named_parameters())
@@ -220,11 +221,11 @@ def compare_grads(bmt_model, ref_model, rtol=1e-5, atol=1e-6, what=""):
     for name, rp in ref.items():
         p = got[name]
         if rp.grad is None:
-            g = full_grad(p, name)
+            g = full_grad(p, name, main)
             if g.abs().max().item() != 0:
                 raise AssertionError(f"{what}{name}: torch has no gradient, bmt has a non-zero one")
             continue
-        assert_close(f"{what}grad {name}", full_grad(p, name), rp.grad, rtol, atol)
+        assert_close(f"{what}grad {name}", full_grad(p, name, main), rp.grad, rtol, atol)
 
 
 def compare_state(bmt_model, ref_model, exact=False, rtol=1e-5, atol=1e-6, what=""):

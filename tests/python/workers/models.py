@@ -48,11 +48,22 @@ def _bmt_param(t, init_method=None):
     return bmt.DistributedParameter(t.detach().clone(), init_method=init_method)
 
 
+def _torch_param_bf16(t, init_method=None):
+    return torch.nn.Parameter(t.detach().clone().to(torch.bfloat16))
+
+
+def _bmt_param_bf16(t, init_method=None):
+    return bmt.DistributedParameter(t.detach().clone().to(torch.bfloat16), init_method=init_method)
+
+
 TORCH = types.SimpleNamespace(name="torch", Module=torch.nn.Module, param=_torch_param,
                               block=lambda m, **kw: m, blocklist=RefBlockList)
 BMT = types.SimpleNamespace(name="bmt", Module=bmt.DistributedModule, param=_bmt_param,
                             block=lambda m, **kw: bmt.Block(m, **kw),
                             blocklist=lambda mods, num_hidden=1: bmt.TransformerBlockList(mods, num_hidden))
+
+TORCH_BF16 = types.SimpleNamespace(**{**TORCH.__dict__, "name": "torch-bf16", "param": _torch_param_bf16})
+BMT_BF16 = types.SimpleNamespace(**{**BMT.__dict__, "name": "bmt-bf16", "param": _bmt_param_bf16})
 
 
 def make(kit):

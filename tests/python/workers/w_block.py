@@ -8,7 +8,7 @@ import torch
 import bmtrain as bmt
 from common import (Skip, assert_close, assert_equal, case, compare_grads, compare_state, expect_raises,  # noqa: F401
                     full_grad, main, randn, rank, rank_input, world)
-from models import BMT, COUNTS, TORCH, make
+from models import BMT, BMT_BF16, COUNTS, TORCH, TORCH_BF16, make
 
 D, B = 6, 3  # feature width, rows per rank
 
@@ -269,6 +269,26 @@ def blocklist_dropout():
             assert_close("train() output vs torch with the same mask", y, y_ref)
             assert_close("train() input grad (recompute used the forward's mask)", x.grad, xr.grad)
     compare_grads(model, TORCH.blocklist([ref]), what="dropout train: ")
+
+
+@case
+def block_bf16():
+    """bf16 parameters in a block list: outputs vs the bf16 torch twin, fp32 main gradients (bmt.main_grad) vs
+    torch's bf16 gradients (bf16 tolerances)."""
+    T, M = make(TORCH_BF16), make(BMT_BF16)
+    model = bmt.TransformerBlockList([M.Layer(D * 4, 600 + 10 * i) for i in range(2)])
+    ref = TORCH.blocklist([T.Layer(D * 4, 600 + 10 * i) for i in range(2)])
+    x = rank_input(rank(), B, D * 4).to(torch.bfloat16)
+    y = model(x)
+    if y.dtype != torch.bfloat16:
+        raise AssertionError(f"bf16 block list returned {y.dtype}")
+    (y.float() * randn(B, D * 4, seed=9)).sum().backward()
+    for r in range(world()):
+        y_ref = ref(rank_input(r, B, D * 4).to(torch.bfloat16))
+        (y_ref.float() * randn(B, D * 4, seed=9)).sum().backward()
+        if r == rank():
+            assert_close("bf16 output", y, y_ref, rtol=2e-2, atol=2e-2)
+    compare_grads(model, ref, rtol=5e-2, atol=5e-2, what="bf16 main_grad ", main=True)
 
 
 @case
