@@ -169,11 +169,17 @@ def rank_input(r, *shape, seed=100, requires_grad=False):
 def local_shard_range(p):
     """(begin, end) of this rank's slice of p's flattened full tensor, or None if p holds none.
 
-    Uses BMTrain's parameter attributes `_start_partition` / `_end_partition` (the package keeps them)."""
-    if not hasattr(p, "_start_partition"):
+    BMTrain keeps it in `_start_partition` / `_end_partition` (updated when a Block re-packs the parameter); the
+    engine's own record (bmtrain._C.shard_range) is read when present, and block_shard_attributes checks that
+    both agree."""
+    fn = getattr(getattr(bmt, "_C", None), "shard_range", None)
+    if fn is not None:
+        b, e = fn(p)
+    elif hasattr(p, "_start_partition"):
+        b, e = p._start_partition, p._end_partition
+    else:
         raise AssertionError("DistributedParameter has no _start_partition/_end_partition (BMTrain keeps them; "
                              "the tests use them to place a gradient shard in the full tensor)")
-    b, e = p._start_partition, p._end_partition
     if b is None or e is None or e <= b:
         return None
     return int(b), int(e)

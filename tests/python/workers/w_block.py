@@ -7,7 +7,7 @@ import torch
 
 import bmtrain as bmt
 from common import (Skip, assert_close, assert_equal, case, compare_grads, compare_state, expect_raises,  # noqa: F401
-                    full_grad, main, randn, rank, rank_input, world)
+                    full_grad, local_shard_range, main, randn, rank, rank_input, world)
 from models import BMT, BMT_BF16, COUNTS, TORCH, TORCH_BF16, make
 
 D, B = 6, 3  # feature width, rows per rank
@@ -60,6 +60,28 @@ def block_tensor():
                               lambda m, x: m(x), [(B, D)], input_grad, what)
             if not isinstance(out, torch.Tensor):
                 raise AssertionError(f"{what}: Block returned {type(out).__name__}, the module returns a tensor")
+
+
+@case
+def block_shard_attributes():
+    """BMTrain's _start_partition/_end_partition/_original_shape describe the slice a parameter holds, also after
+    a Block re-packed it (other code, e.g. optimizer-state slicing, relies on them)."""
+    M = make(BMT)
+    inner = M.Layer(D, 1)
+    blk = bmt.Block(inner)
+    for name, p in blk.named_parameters():
+        rng = local_shard_range(p)
+        got = (p._start_partition, p._end_partition)
+        if rng is None:
+            if p.numel() != 0 or (got[0] is not None and got[1] > got[0]):
+                raise AssertionError(f"{name}: holds nothing but numel {p.numel()}, partition {got}")
+            continue
+        if tuple(got) != rng:
+            raise AssertionError(f"{name}: _start_partition/_end_partition {got}, the engine's shard is {rng}")
+        if p.numel() != rng[1] - rng[0]:
+            raise AssertionError(f"{name}: holds {p.numel()} elements, its partition {rng} has {rng[1] - rng[0]}")
+        if tuple(p._original_shape) != tuple(dict(make(TORCH).Layer(D, 1).named_parameters())[name].shape):
+            raise AssertionError(f"{name}: _original_shape {tuple(p._original_shape)}")
 
 
 @case
