@@ -154,7 +154,7 @@ def lr_schedulers():
         cls = getattr(bmt.lr_scheduler, kind)
         opt = bmt.optim.AdamOptimizer([p], lr=123.0)
         sched = cls(opt, start_lr=S, warmup_iter=W, end_iter=E, num_iter=0)
-        for t in range(E + 1):
+        for t in range(E):
             want = _bmt_formula(kind, t)
             for what, got in (("current_lr", sched.current_lr), ("get_lr()", sched.get_lr()),
                               ("param_groups lr", opt.param_groups[0]["lr"])):
@@ -167,7 +167,7 @@ def lr_schedulers():
                 raise AssertionError(f"{kind}.state_dict() lacks '{k}': {sd}")
         again = cls(bmt.optim.AdamOptimizer([p], lr=1.0), start_lr=S, warmup_iter=W, end_iter=E, num_iter=0)
         again.load_state_dict(sd)
-        if not math.isclose(again.current_lr, _bmt_formula(kind, E + 1), rel_tol=1e-9, abs_tol=1e-15):
+        if not math.isclose(again.current_lr, _bmt_formula(kind, E), rel_tol=1e-9, abs_tol=1e-15):
             raise AssertionError(f"{kind}: after load_state_dict lr {again.current_lr}")
         sched.step(7)  # an explicit iteration number
         if not math.isclose(opt.param_groups[0]["lr"], _bmt_formula(kind, 7), rel_tol=1e-9, abs_tol=1e-15):
