@@ -4,6 +4,7 @@ Data parallelism: rank r feeds its own micro-batch x_r; a plain `loss.backward()
 ranks (BMTrain), so the reference runs every rank's micro-batch through the torch twin and accumulates.
 """
 import torch
+import torch.nn.functional as F
 
 import bmtrain as bmt
 from common import (Skip, assert_close, assert_equal, case, compare_grads, compare_state, expect_raises,  # noqa: F401
@@ -53,6 +54,9 @@ def check_twins(model, ref, call, in_shapes, input_grad=True, what=""):
 @case
 def block_tensor():
     T, M = make(TORCH), make(BMT)
+    for zero_level in (3, 2):
+        check_twins(bmt.Block(M.Layer(D, 1), zero_level=zero_level), T.Layer(D, 1), lambda m, x: m(x), [(B, D)],
+                    what=f"zero_level={zero_level}")
     for use_checkpoint in (True, False):
         for input_grad in (True, False):  # inputs without grad: only the parameters need it (first block)
             what = f"checkpoint={use_checkpoint} input_grad={input_grad}"
@@ -253,6 +257,46 @@ def blocklist_num_hidden():
 
 
 @case
+def blocklist_without_checkpoint():
+    """Blocks with use_checkpoint=False (activations kept) and ZeRO-2 blocks in one list."""
+    T, M = make(TORCH), make(BMT)
+    blocks = [bmt.Block(M.Layer(D, 700), use_checkpoint=False), bmt.Block(M.Layer(D, 710), zero_level=2),
+              bmt.Block(M.Layer(D, 720), use_checkpoint=False, zero_level=2)]
+    ref = TORCH.blocklist([T.Layer(D, 700), T.Layer(D, 710), T.Layer(D, 720)])
+    check_twins(bmt.TransformerBlockList(blocks), ref, lambda m, x: m(x), [(B, D)], what="no checkpoint / zero 2")
+
+
+@case
+def tied_parameter_outside_block():
+    """A DistributedModule parameter read twice in one forward (tied embedding and projection): gradients add."""
+    T, M = make(TORCH), make(BMT)
+
+    def tied(kit, layers):
+        class Tied(kit.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = kit.param(randn(11, D, seed=800))
+                self.layers = layers
+
+            def forward(self, ids):
+                return F.linear(self.layers(F.embedding(ids, self.emb)), self.emb)
+        return Tied()
+
+    model = tied(BMT, bmt.TransformerBlockList([M.Layer(D, 810)]))
+    ref = tied(TORCH, TORCH.blocklist([T.Layer(D, 810)]))
+    ids = [torch.randint(0, 11, (B, 4), generator=torch.Generator().manual_seed(r)).to(randn(1, seed=0).device)
+           for r in range(world())]
+    _loss(model(ids[rank()])).backward()
+    for r in range(world()):
+        out = ref(ids[r])
+        _loss(out).backward()
+        if r == rank():
+            with torch.no_grad():
+                assert_close("tied output", model(ids[r]), out)
+    compare_grads(model, ref, what="tied ")
+
+
+@case
 def blocklist_return_hidden_states():
     T, M = make(TORCH), make(BMT)
     model = bmt.TransformerBlockList([M.Layer(D, 300 + 10 * i) for i in range(3)])
@@ -335,6 +379,10 @@ def block_bf16():
 
 @case
 def block_rejects_plain_parameters():
+    M = make(BMT)
+    layer = M.Layer(D, 1)
+    expect_raises("the same module twice in one TransformerBlockList", (ValueError, RuntimeError, AssertionError),
+                  lambda: bmt.TransformerBlockList([layer, layer]))
     e = expect_raises("bmt.Block(torch.nn.Linear(...))", (ValueError, RuntimeError),
                       lambda: bmt.Block(torch.nn.Linear(D, D).to(rank_input(0, 1).device)))
     if "DistributedParameter" not in str(e):

@@ -178,6 +178,42 @@ def lr_schedulers():
 
 
 @case
+def loss_scale_overflow():
+    """bf16 parameters: an inf gradient on rank 0 only makes every rank skip the step (parameters and scheduler
+    unchanged) and halve the scale; loss_scale_steps clean steps later it doubles again (BMTrain's dynamics)."""
+    from models import BMT_BF16
+    model = make(BMT_BF16).Layer(D, 16)
+    opt = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2)
+    sched = bmt.lr_scheduler.NoDecay(opt, start_lr=1e-2, warmup_iter=4, end_iter=100, num_iter=0)
+    om = bmt.optim.OptimManager(loss_scale=1024, loss_scale_factor=2, loss_scale_steps=2)
+    om.add_optimizer(opt, sched)
+
+    def step(seed, poison=False):
+        om.zero_grad()
+        loss = _loss(model(rank_input(rank(), B, D, seed=seed).to(torch.bfloat16)).float())
+        if poison and rank() == 0:
+            loss = loss * float("inf")
+        om.backward(loss)
+        om.step()
+
+    step(60)
+    before, lr_before = model.state_dict(), opt.param_groups[0]["lr"]
+    step(61, poison=True)
+    if om.loss_scale != 512:
+        raise AssertionError(f"after an overflow the loss scale is {om.loss_scale}, expected 1024 / 2 = 512")
+    for k, v in before.items():
+        assert_equal(f"{k} after the skipped (overflow) step", model.state_dict()[k], v)
+    if opt.param_groups[0]["lr"] != lr_before:
+        raise AssertionError("the LR scheduler advanced on a skipped step")
+    step(62)
+    step(63)
+    if om.loss_scale != 1024:
+        raise AssertionError(f"after 2 clean steps (loss_scale_steps=2) the scale is {om.loss_scale}, expected 1024")
+    if torch.equal(model.state_dict()["lin1.weight"], before["lin1.weight"]):
+        raise AssertionError("clean steps after the overflow did not update the parameters")
+
+
+@case
 def optim_manager_advances_scheduler():
     model = make(BMT).Layer(D, 15)
     opt = bmt.optim.AdamOptimizer(model.parameters(), lr=1.0)

@@ -4,7 +4,7 @@ import os
 import torch
 
 import bmtrain as bmt
-from common import (OUT, assert_close, assert_equal, case, compare_state, device, expect_raises, main, rank,
+from common import (OUT, assert_close, assert_equal, case, compare_state, device, expect_raises, main, randn, rank,
                     rank_input)
 from models import BMT, TORCH, make
 
@@ -47,6 +47,25 @@ def state_dict_block():
 @case
 def state_dict_distributed_module():
     _check_round_trip(lambda kit, s: make(kit).Layer(D, 30 * s), "DistributedModule")
+
+
+def _buffered(kit, seed):
+    """A layer with a persistent buffer (used in forward) and a non-persistent one, inside blocks."""
+    class Buffered(make(kit).Layer):
+        def __init__(self, d, s):
+            super().__init__(d, s)
+            self.register_buffer("shift", randn(d, seed=s + 5))
+            self.register_buffer("cache", torch.zeros(d, device=randn(1, seed=0).device), persistent=False)
+
+        def forward(self, x):
+            return super().forward(x) + self.shift
+    return kit.blocklist([Buffered(D, seed), Buffered(D, seed + 1)])
+
+
+@case
+def state_dict_buffers():
+    """Buffers inside blocks are saved and loaded (BMTrain's Block skips them on load)."""
+    _check_round_trip(lambda kit, s: _buffered(kit, 90 * s), "block list with buffers")
 
 
 @case
