@@ -161,9 +161,11 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, help="peak learning rate, reached at the end of warm-up; Noam's start_lr "
                                              "is lr * sqrt(warmup) (default: the preset's)")
     ap.add_argument("--warmup", type=int, help="Noam warm-up steps (default: the preset's)")
+    ap.add_argument("--vocab", type=int, help="vocabulary size (default: the preset's; 50257 for GPT-2's own)")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--dim", type=int)
     ap.add_argument("--heads", type=int)
+    ap.add_argument("--ff", type=int)
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                     help="parameter dtype (auto: bf16 on GPUs, fp32 on CPUs)")
     ap.add_argument("--offload", action="store_true", help="AdamOffloadOptimizer (Adam states in host memory)")
@@ -214,7 +216,8 @@ def main(argv=None):
             os.makedirs(os.path.dirname(args.metrics) or ".", exist_ok=True)
             metrics = open(args.metrics, "w")
     tokens_per_step = args.batch * args.seq * world
-    flops_per_token = 6 * n_params + 12 * args.layers * args.dim * args.seq  # matmuls + attention scores
+    # bench/bench_train.cpp's MFU: 6 * (parameters except the position table) + 6 * L * d * T per token.
+    flops_per_token = 6 * (n_params - args.seq * args.dim) + 6 * args.layers * args.dim * args.seq
     t_begin = time.time()
     timed_tokens, timed_s, skip_timing = 0, 0.0, min(3, args.steps // 4)
     first_loss = last_loss = None
@@ -260,6 +263,8 @@ def main(argv=None):
         print(json.dumps(dict(preset=args.preset, params=n_params, world=world, steps=args.steps, batch=args.batch,
                               seq=args.seq, dtype=str(dtype).replace("torch.", ""), offload=args.offload,
                               tokens_per_s=tok_s, peak_mem_mib=round(peak_mem_mib(dev), 1),
+                              mfu=flops_per_token * tok_s / world / PEAK_BF16_FLOPS if tok_s and dev.type == "cuda"
+                              else None,
                               first_loss=first_loss, final_loss=last_loss,
                               elapsed_s=round(time.time() - t_begin, 2))), flush=True)
     bmt.synchronize()
