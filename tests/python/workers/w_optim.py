@@ -56,6 +56,38 @@ def adam_offload_vs_torch():
 
 
 @case
+def adam_bf16_vs_fp32_master():
+    """bf16 parameters: AdamOptimizer / AdamOffloadOptimizer keep fp32 master weights. Reference: the bf16 torch
+    twin computes the gradients, torch.optim.AdamW steps an fp32 master copy, the twin gets the master rounded to
+    bf16. Tolerance: one bf16 ulp (the lr is large enough that a wrong update would exceed it)."""
+    from models import BMT_BF16, TORCH_BF16
+    for opt_cls in (bmt.optim.AdamOptimizer, bmt.optim.AdamOffloadOptimizer):
+        model, ref = make(BMT_BF16).Net(D, 2, 17), make(TORCH_BF16).Net(D, 2, 17)
+        master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
+        opt = opt_cls(model.parameters(), lr=5e-2, betas=BETAS, eps=EPS, weight_decay=0.1)
+        om = bmt.optim.OptimManager(loss_scale=1024)
+        om.add_optimizer(opt)
+        ref_opt = torch.optim.AdamW(master, lr=5e-2, betas=BETAS, eps=EPS, weight_decay=0.1)
+        for step in range(3):
+            om.zero_grad()
+            om.backward(_loss(model(rank_input(rank(), B, D, seed=90 + step).to(torch.bfloat16)).float()))
+            for p in ref.parameters():
+                p.grad = None
+            sum(_loss(ref(rank_input(r, B, D, seed=90 + step).to(torch.bfloat16)).float())
+                for r in range(world())).div(world()).backward()
+            for m, p in zip(master, ref.parameters()):
+                m.grad = p.grad.float()
+            om.step()
+            ref_opt.step()
+            with torch.no_grad():
+                for m, p in zip(master, ref.parameters()):
+                    p.copy_(m)
+            compare_state(model, ref, rtol=1e-2, atol=1e-3, what=f"bf16 {opt_cls.__name__} step {step + 1}: ")
+        if torch.equal(model.state_dict()["head.weight"], make(TORCH_BF16).Net(D, 2, 17).state_dict()["head.weight"]):
+            raise AssertionError("bf16 parameters did not change")
+
+
+@case
 def clip_grad_norm_vs_torch():
     T, M = make(TORCH), make(BMT)
     model, ref = M.Net(D, 2, 12), T.Net(D, 2, 12)

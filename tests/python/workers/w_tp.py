@@ -147,5 +147,38 @@ def row_all_reduce_output():
     assert_close("weight grad piece", _piece_grad(p["weight"], "weight"), _split(ref.weight.grad, 1, tp, me))
 
 
+@case
+def vocab_parallel_embedding_and_loss():
+    """VPEmbedding lookup equals F.embedding with the full table; FusedCrossEntropy(parallel=True) on this rank's
+    vocabulary slice of the logits equals torch's cross-entropy on the full logits (loss and logits gradient)."""
+    tp, me = _tp()
+    V, Dm = 10, 6
+    torch.manual_seed(8)
+    emb = bmt.nn.VPEmbedding(V, Dm, dtype=torch.float32)
+    bmt.init_parameters(emb)
+    table = emb.state_dict()["weight"].to(device())
+    if tuple(table.shape) != (V, Dm):
+        raise AssertionError(f"VPEmbedding state_dict weight shape {tuple(table.shape)}, expected {(V, Dm)}")
+    ids = torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(3)).to(device())
+    with torch.no_grad():
+        got, want = emb(ids), F.embedding(ids, table)
+        # BMTrain returns every row on every tp rank; this package (sequence parallel by default) returns tp rank
+        # r's chunk of rows (reported in notes/pkg_bugs.md as a difference): accept both, check the values.
+        if got.shape[0] != want.shape[0]:
+            want = _split(want, 0, tp, me)
+        assert_close("VPEmbedding lookup", got, want)
+    full = rank_input(0, 8, V, seed=11).mul(2)
+    target = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(4)).to(device())
+    target[5] = -100
+    local = _split(full, 1, tp, me).clone().requires_grad_(True)
+    loss = bmt.loss.FusedCrossEntropy(parallel=True)(local, target)
+    full_ref = full.clone().requires_grad_(True)
+    ref = F.cross_entropy(full_ref, target)
+    assert_close("parallel cross-entropy loss", loss, ref)
+    loss.backward()
+    ref.backward()
+    assert_close("parallel cross-entropy logits grad (this rank's slice)", local.grad, _split(full_ref.grad, 1, tp, me))
+
+
 if __name__ == "__main__":
     main(dict(tp_size=2))
