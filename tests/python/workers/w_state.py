@@ -167,6 +167,29 @@ def init_parameters_bit_identical():
 
 
 @case
+def nn_linear_like_bmtrain():
+    """bmt.nn.Linear: weight (out, in) xavier_normal_, bias zeros_ (BMTrain's init, bit-identical with the same seed
+    and order weight, bias); forward and gradients equal F.linear's."""
+    for bias in (True, False):
+        torch.manual_seed(77)
+        lin = bmt.nn.Linear(5, 7, bias=bias)
+        bmt.init_parameters(lin)
+        torch.manual_seed(77)
+        w = torch.empty(7, 5, device=device())
+        torch.nn.init.xavier_normal_(w)
+        sd = lin.state_dict()
+        if sorted(sd) != (["bias", "weight"] if bias else ["weight"]):
+            raise AssertionError(f"bmt.nn.Linear(bias={bias}) state_dict keys {sorted(sd)}")
+        assert_equal("bmt.nn.Linear weight init", sd["weight"], w.cpu())
+        if bias:
+            assert_equal("bmt.nn.Linear bias init", sd["bias"], torch.zeros(7))
+        ref = torch.nn.Linear(5, 7, bias=bias).to(device())
+        ref.load_state_dict({k: v.to(device()) for k, v in sd.items()})
+        from w_block_helpers import check_twins_simple
+        check_twins_simple(lin, ref, (B, 5))
+
+
+@case
 def parameter_without_init_keeps_data():
     """A DistributedParameter made from data, without init_method, keeps that data through init_parameters."""
     model, ref = make(BMT).Net(D, 2, 70), make(TORCH).Net(D, 2, 70)

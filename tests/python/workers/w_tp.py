@@ -5,11 +5,13 @@ ColumnParallelLinear(gather_input=True) all-gathers the ranks' rows (rank-major)
 output features; RowParallelLinear (default: reduce-scatter output) sums the partial products and hands rank r
 its chunk of rows. The references use the full weights that state_dict() returns (TP-merged, full shapes).
 """
+import os
+
 import torch
 import torch.nn.functional as F
 
 import bmtrain as bmt
-from common import Skip, assert_close, case, compare_state, device, main, rank, rank_input, world
+from common import OUT as OUT_DIR, Skip, assert_close, case, compare_state, device, main, rank, rank_input, world
 
 IN, HID, OUT, R = 6, 8, 5, 4  # R rows per rank (divisible by the chunk counts)
 
@@ -98,6 +100,28 @@ def sequence_parallel_mlp():
         # The replicated bias sees only this rank's rows; torch's gradient sums all rows.
         assert_close(f"{what}: down.bias grad (all rows)", _piece_grad(params["down.bias"], "down.bias"),
                      ref.down.bias.grad)
+
+
+@case
+def tp_save_load_round_trip():
+    """bmt.save of a TP model writes full (TP-merged) tensors; bmt.load scatters them into a fresh model."""
+    tp, me = _tp()
+    torch.manual_seed(9)
+    model = MLP()
+    bmt.init_parameters(model)
+    path = os.path.join(OUT_DIR, "tp_mlp.pt")
+    bmt.save(model, path)
+    torch.manual_seed(10)
+    other = MLP()
+    bmt.init_parameters(other)
+    bmt.load(other, path)
+    compare_state(other, model, rtol=0, atol=0, what="TP model after bmt.load: ")
+    x = rank_input(me, R, IN)
+    with torch.no_grad():
+        assert_close("TP output after bmt.load", other(x), model(x))
+    sd = torch.load(path, map_location="cpu")
+    if tuple(sd["up.weight"].shape) != (HID, IN) or tuple(sd["down.weight"].shape) != (OUT, HID):
+        raise AssertionError(f"saved shapes {[(k, tuple(v.shape)) for k, v in sd.items()]}")
 
 
 @case
