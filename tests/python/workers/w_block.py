@@ -378,6 +378,20 @@ def block_bf16():
 
 
 @case
+def inner_module_called_outside_block():
+    """Calling a Block's inner module directly (its parameters are 1-D shards there) must fail with a message that
+    names the problem (issue 15: "a parameter used outside its Block"), not torch's "mat2 must be a matrix"."""
+    M = make(BMT)
+    inner = M.Layer(D, 1)
+    blk = bmt.Block(inner)
+    x = rank_input(rank(), B, D)
+    for what, fn in (("inner(x)", lambda: inner(x)), ("blk.lin1(x)", lambda: blk.lin1(x))):
+        expect_raises(what, (RuntimeError, ValueError), fn, must_mention=("Block",))
+    with torch.no_grad():
+        blk(x)  # the Block itself still works afterwards
+
+
+@case
 def block_rejects_plain_parameters():
     M = make(BMT)
     layer = M.Layer(D, 1)
