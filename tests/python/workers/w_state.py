@@ -4,8 +4,8 @@ import os
 import torch
 
 import bmtrain as bmt
-from common import (OUT, assert_close, assert_equal, case, compare_state, device, expect_raises, main, randn, rank,
-                    rank_input)
+from common import (OUT, assert_close, assert_equal, case, check_twins_simple, compare_state, device, expect_raises,
+                    main, randn, rank, rank_input)
 from models import BMT, TORCH, make
 
 D, B = 6, 3
@@ -185,7 +185,6 @@ def nn_linear_like_bmtrain():
             assert_equal("bmt.nn.Linear bias init", sd["bias"], torch.zeros(7))
         ref = torch.nn.Linear(5, 7, bias=bias).to(device())
         ref.load_state_dict({k: v.to(device()) for k, v in sd.items()})
-        from w_block_helpers import check_twins_simple
         check_twins_simple(lin, ref, (B, 5))
 
 
