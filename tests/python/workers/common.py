@@ -13,7 +13,6 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 import bmtrain as bmt
 
