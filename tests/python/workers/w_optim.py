@@ -92,6 +92,31 @@ def adam_bf16_vs_fp32_master():
 
 
 @case
+def adam_hold_steps():
+    """hold_steps=2: the first 2 steps use lr 0 but still update the Adam moments (BMTrain's fp32 path); the
+    reference is torch.optim.Adam with lr 0 for those steps."""
+    for opt_cls in (bmt.optim.AdamOptimizer, bmt.optim.AdamOffloadOptimizer):
+        model, ref = make(BMT).Net(D, 1, 18), make(TORCH).Net(D, 1, 18)
+        opt = opt_cls(model.parameters(), lr=1e-2, betas=BETAS, eps=EPS, hold_steps=2)
+        om = bmt.optim.OptimManager(loss_scale=1024)
+        om.add_optimizer(opt)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, betas=BETAS, eps=EPS)
+        initial = model.state_dict()
+        for step in range(4):
+            ref_opt.param_groups[0]["lr"] = 0.0 if step < 2 else 1e-2
+            om.zero_grad()
+            ref_opt.zero_grad()
+            om.backward(_loss(model(rank_input(rank(), B, D, seed=95 + step))))
+            _ref_loss(ref, 95 + step).backward()
+            om.step()
+            ref_opt.step()
+            if step == 1:
+                for k, v in initial.items():
+                    assert_equal(f"{opt_cls.__name__}: {k} during hold_steps", model.state_dict()[k], v)
+        compare_state(model, ref, rtol=1e-5, atol=1e-6, what=f"{opt_cls.__name__} hold_steps=2, after 4 steps: ")
+
+
+@case
 def clip_grad_norm_vs_torch():
     T, M = make(TORCH), make(BMT)
     model, ref = M.Net(D, 2, 12), T.Net(D, 2, 12)
