@@ -1,0 +1,166 @@
+"""Differentiable collectives (closed forms), gather_result / sum_loss, FusedCrossEntropy vs torch."""
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import bmtrain as bmt
+from common import Skip, assert_close, case, device, main, on_cuda, rank, rank_input, world
+
+SHAPE = (2, 3)
+
+
+def _x(r, shape=SHAPE, seed=1):
+    return rank_input(r, *shape, seed=seed, requires_grad=True)
+
+
+def _g(r, shape, seed=2):
+    """Rank r's upstream gradient (every rank can rebuild it)."""
+    return rank_input(r, *shape, seed=seed)
+
+
+def _backward(y, seed=2):
+    g = _g(rank(), tuple(y.shape), seed)
+    (y * g).sum().backward()
+    return g
+
+
+@case
+def all_gather_grad():
+    ws, me = world(), rank()
+    x = _x(me)
+    y = bmt.distributed.all_gather(x)
+    assert_close("all_gather forward", y, torch.stack([_x(r).detach() for r in range(ws)]))
+    _backward(y)
+    # BMTrain's backward keeps the local slice of the upstream gradient (not a reduce-scatter).
+    assert_close("all_gather backward (local slice)", x.grad, _g(me, (ws, *SHAPE))[me])
+
+
+@case
+def all_reduce_grad():
+    """The package's convention (not BMTrain's identity): the objective is the sum over ranks of each rank's loss,
+    so the gradient of every input is the sum of all ranks' upstream gradients (/ws for avg; max/min: only at the
+    ranks holding the extreme; prod: times output/input)."""
+    ws, me = world(), rank()
+    xs = [_x(r).detach() for r in range(ws)]
+    forward = {"sum": sum(xs), "avg": sum(xs) / ws, "max": torch.stack(xs).amax(0), "min": torch.stack(xs).amin(0),
+               "prod": torch.stack(xs).prod(0)}
+    g_all = sum(_g(r, SHAPE) for r in range(ws))
+    for op, want in forward.items():
+        x = _x(me)
+        y = bmt.distributed.all_reduce(x, op)
+        assert_close(f"all_reduce({op}) forward", y, want)
+        _backward(y)
+        grad = {"sum": g_all, "avg": g_all / ws, "max": g_all * (xs[me] == want), "min": g_all * (xs[me] == want),
+                "prod": g_all * want / xs[me]}[op]
+        assert_close(f"all_reduce({op}) backward", x.grad, grad, rtol=1e-5, atol=1e-6)
+
+
+@case
+def reduce_scatter_grad():
+    ws, me = world(), rank()
+    shape = (2 * ws, 3)
+    xs = [_x(r, shape).detach() for r in range(ws)]
+    for op, div in (("sum", 1), ("avg", ws)):
+        x = _x(me, shape)
+        y = bmt.distributed.reduce_scatter(x, op)
+        assert_close(f"reduce_scatter({op}) forward", y, (sum(xs) / div)[2 * me:2 * me + 2])
+        _backward(y)
+        # Backward: all-gather of the ranks' upstream gradients (divided by ws for avg).
+        assert_close(f"reduce_scatter({op}) backward", x.grad,
+                     torch.cat([_g(r, (2, 3)) for r in range(ws)]) / div)
+
+
+@case
+def broadcast_grad():
+    ws, me = world(), rank()
+    for root in sorted({0, ws - 1}):
+        x = _x(me)
+        y = bmt.distributed.broadcast(x, root)
+        assert_close(f"broadcast(root={root}) forward", y, _x(root).detach())
+        _backward(y)
+        # Backward (the package's convention): the sum of every rank's upstream gradient, at the root only.
+        want = sum(_g(r, SHAPE) for r in range(ws)) if me == root else torch.zeros(SHAPE)
+        got = x.grad if x.grad is not None else torch.zeros(SHAPE)
+        assert_close(f"broadcast(root={root}) backward", got, want)
+
+
+@case
+def gather_result_and_sum_loss():
+    ws, me = world(), rank()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = bmt.gather_result(_x(me).detach())
+        assert_close("gather_result", got, torch.cat([_x(r).detach() for r in range(ws)]))
+        if got.device != _x(me).device:
+            raise AssertionError(f"gather_result moved the result to {got.device}")
+        loss = torch.tensor(float(me + 1), device=device())
+        # sum_loss returns the *mean* over ranks (BMTrain, despite the name).
+        assert_close("sum_loss", bmt.sum_loss(loss), torch.tensor((ws + 1) / 2))
+
+
+N, C = 12, 7
+
+
+def _ce_inputs(dtype=torch.float32, ignore_index=-100):
+    logits = rank_input(rank(), N, C, seed=3).mul(3).to(dtype).requires_grad_(True)
+    g = torch.Generator().manual_seed(4)
+    target = torch.randint(0, C, (N,), generator=g)
+    target[::4] = ignore_index  # some ignored rows
+    weight = torch.rand(C, generator=g) + 0.5
+    return logits, target.to(device()), weight.to(device())
+
+
+def _check_ce(ignore_index, reduction, smoothing, use_weight):
+    what = f"ignore_index={ignore_index} reduction={reduction} smoothing={smoothing} weight={use_weight}"
+    x, t, w = _ce_inputs(ignore_index=ignore_index)
+    w = w if use_weight else None
+    loss_fn = bmt.loss.FusedCrossEntropy(weight=w, ignore_index=ignore_index, reduction=reduction,
+                                         label_smoothing=smoothing)
+    loss = loss_fn(x, t)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = F.cross_entropy(x_ref, t, weight=w, ignore_index=ignore_index, reduction=reduction,
+                          label_smoothing=smoothing)
+    assert_close(f"{what}: loss", loss, ref, rtol=1e-5, atol=1e-6)
+    up = torch.linspace(0.5, 1.5, N, device=device()) if reduction == "none" else 1.0
+    (loss * up).sum().backward()
+    (ref * up).sum().backward()
+    assert_close(f"{what}: input grad", x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@case
+def fused_cross_entropy_vs_torch():
+    for ignore_index in (-100, 2):
+        for reduction in ("mean", "sum", "none"):
+            _check_ce(ignore_index, reduction, 0.0, False)
+            _check_ce(ignore_index, reduction, 0.0, True)
+            _check_ce(ignore_index, reduction, 0.1, False)
+
+
+@case
+def fused_cross_entropy_weight_and_smoothing():
+    """Class weights together with label smoothing (BMTrain's fp32 path hands both to torch)."""
+    for reduction in ("mean", "sum", "none"):
+        _check_ce(-100, reduction, 0.1, True)
+
+
+@case
+def fused_cross_entropy_half_gpu():
+    """fp16/bf16 logits (the fused kernel): loss close to torch's fp32 on the same values (BMTrain's contract)."""
+    if not on_cuda():
+        raise Skip("half-precision fused cross-entropy is checked on the GPU variant")
+    for dtype in (torch.float16, torch.bfloat16):
+        for use_weight in (False, True):
+            x, t, w = _ce_inputs(dtype)
+            w = w if use_weight else None
+            loss = bmt.loss.FusedCrossEntropy(weight=w)(x, t)
+            x_ref = x.detach().float().requires_grad_(True)
+            ref = F.cross_entropy(x_ref, t, weight=w)
+            assert_close(f"{dtype} weight={use_weight}: loss", loss.float(), ref, rtol=1e-3, atol=1e-4)
+            (loss * 1024).backward()
+            (ref * 1024).backward()
+            assert_close(f"{dtype} weight={use_weight}: grad", x.grad.float(), x_ref.grad, rtol=2e-2, atol=0.1)
+
+
+if __name__ == "__main__":
+    main()
