@@ -84,6 +84,10 @@ void SaveJob::body() {
   });
   spec_.items.clear();
   if (!error_.empty()) {
+    try {  // the partial shard first: on a full disk the marker needs its space
+      remove_tree(join_path(spec_.tmp_dir, name));
+    } catch (...) {
+    }
     try {
       write_file_durable(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
     } catch (...) {

@@ -6,6 +6,7 @@
 #include "bmt/checkpoint/atomic_dir.h"
 #include "bmt/checkpoint/checkpoint_reader.h"
 #include "bmt/checkpoint/comm_util.h"
+#include "bmt/checkpoint/file_io.h"
 #include "bmt/checkpoint/save_job.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
@@ -58,6 +59,13 @@ SaveStats wait_state(SaveHandle::State& s) {
     detail::raise_if_any_failed(*config().comm, s.job->error(), "checkpoint save to " + s.stats.dir);
   } catch (const std::exception& e) {
     s.final_error = e.what();
+    // Every rank's part has ended: no writer can recreate files in the temporary directory any more.
+    if (config().comm->rank() == 0) {
+      try {
+        remove_tree(s.job->tmp_dir());
+      } catch (...) {
+      }
+    }
     throw;
   }
   return s.stats;
