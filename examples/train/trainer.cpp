@@ -58,6 +58,7 @@ std::string percent(std::optional<double> v) {
 
 // Everything one run holds; the phases below (resume, loop, eval, sampling, export) share it.
 struct Run {
+  explicit Run(const TrainArgs& a) : args(a) {}
   const TrainArgs& args;
   TrainSettings s;
   std::unique_ptr<Dataset> data;
@@ -259,7 +260,7 @@ void print_summary(const Run& run) {
 }  // namespace
 
 TrainResult run_training(const TrainArgs& args) {
-  Run run{args};
+  Run run(args);
   run.t_begin = now_s();
   run.rank0 = bmt::config().rank == 0;
   run.data = make_dataset({args.data, args.data_format, args.seed});

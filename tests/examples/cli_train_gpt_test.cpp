@@ -79,13 +79,6 @@ std::string temp_root(const std::string& name) {
 
 void remove_root(const std::string& root) { EXPECT_EQ(std::system(("rm -rf " + quote(root)).c_str()), 0); }
 
-std::string read_text(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 std::string latest_of(const std::string& root) {
   std::string name;
   std::ifstream(root + "/latest") >> name;
@@ -115,9 +108,9 @@ int64_t dtype_nbytes(const std::string& dtype) {
   return 1;
 }
 
-// Flips 64 bytes in the middle of the largest tensor whose key starts with `prefix` stored in rank-00000.bin.
-// Returns that file's path.
-std::string flip_bytes_in(const std::string& ckpt_dir, const std::string& prefix) {
+// Flips 64 bytes in the middle of the largest tensor whose key starts with `prefix` stored in rank-00000.bin
+// (a sharded checkpoint keeps model and optimizer tensors in the same per-rank file).
+void flip_bytes_in(const std::string& ckpt_dir, const std::string& prefix) {
   bmt::checkpoint::CheckpointReader reader(ckpt_dir);
   int64_t best_offset = -1, best_nbytes = 0;
   std::string best_key;
@@ -139,14 +132,14 @@ std::string flip_bytes_in(const std::string& ckpt_dir, const std::string& prefix
   f.seekp(at);
   f.write(buf, 64);
   EXPECT_TRUE(f.good()) << path;
-  return path;
 }
 
 // The resume after damage must fail on every rank (one line each), name the file, run no step.
-void expect_resume_refused(const std::string& root, const std::string& file, const std::string& why) {
+void expect_resume_refused(const std::string& root, const std::string& why, const std::string& file) {
   Result r = train(2, "--steps 6 --save-every 2 --resume --save-dir " + root);
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "train_gpt: error: cannot resume from " + root + "/step_00000004"), 2) << r.output;
+  EXPECT_EQ(count(r.output, "train_gpt: error: "), 2) << "one line per rank\n" << r.output;
+  EXPECT_EQ(count(r.output, "cannot resume from " + root + "/step_00000004"), 2) << r.output;
   EXPECT_TRUE(contains(r.output, file)) << r.output;
   EXPECT_TRUE(contains(r.output, why)) << r.output;
   EXPECT_TRUE(contains(r.output, root + "/latest")) << "the way out (an earlier step) is named\n" << r.output;
@@ -166,21 +159,22 @@ TEST(TrainGptCli, DamagedCheckpointIsRefusedNamingTheFile) {
   ASSERT_EQ(run_shell("cp -a " + quote(step4) + " " + quote(root + "/pristine")).exit_code, 0);
   ASSERT_EQ(run_shell(kCkpt + " verify " + quote(step4)).exit_code, 0);
 
-  const std::string file = flip_bytes_in(step4, "model/");
-  expect_resume_refused(root, file, "checksum");
+  flip_bytes_in(step4, "model/");
+  expect_resume_refused(root, "the checkpoint is damaged", "checksum mismatch in rank-00000.bin");
   Result verify = run_shell(kCkpt + " verify " + quote(step4));
   EXPECT_NE(verify.exit_code, 0) << "bmt-ckpt must see the damage too\n" << verify.output;
 
   ASSERT_EQ(run_shell("rm -rf " + quote(step4) + " && cp -a " + quote(root + "/pristine") + " " + quote(step4)).exit_code, 0);
-  expect_resume_refused(root, flip_bytes_in(step4, "optim/"), "checksum");
+  flip_bytes_in(step4, "optim/");
+  expect_resume_refused(root, "the checkpoint is damaged", "checksum mismatch in rank-00000.bin");
 
   // A missing and a truncated shard file: named, with the fix; still no step runs.
   ASSERT_EQ(run_shell("rm -rf " + quote(step4) + " && cp -a " + quote(root + "/pristine") + " " + quote(step4) +
                       " && rm " + quote(step4 + "/rank-00001.bin")).exit_code, 0);
-  expect_resume_refused(root, step4 + "/rank-00001.bin", "missing");
+  expect_resume_refused(root, "missing shard file", step4 + "/rank-00001.bin");
   ASSERT_EQ(run_shell("rm -rf " + quote(step4) + " && cp -a " + quote(root + "/pristine") + " " + quote(step4) +
                       " && truncate -s 1000 " + quote(step4 + "/rank-00001.bin")).exit_code, 0);
-  expect_resume_refused(root, step4 + "/rank-00001.bin", "truncated");
+  expect_resume_refused(root, "truncated", step4 + "/rank-00001.bin");
 
   // The pristine copy resumes and continues.
   ASSERT_EQ(run_shell("rm -rf " + quote(step4) + " && cp -a " + quote(root + "/pristine") + " " + quote(step4)).exit_code, 0);
@@ -267,7 +261,11 @@ TEST(TrainGptCli, DivergedRunStopsWithoutSavingBadState) {
   EXPECT_LT(last_good, 40);
   for (const std::string& f : step_folders(root))
     EXPECT_LE(std::stoi(f.substr(5)), last_good) << "a checkpoint saved after the run went bad: " << f;
-  if (last_good > 0) EXPECT_EQ(latest_of(root), "step_" + std::string(8 - std::to_string(last_good).size(), '0') + std::to_string(last_good));
+  if (last_good > 0) {
+    char name[32];
+    std::snprintf(name, sizeof name, "step_%08d", last_good);
+    EXPECT_EQ(latest_of(root), name);
+  }
   expect_no_backtrace(r.output);
   remove_root(root);
 }
@@ -295,7 +293,8 @@ TEST(TrainGptCli, FullDiskIsAClearErrorAndKeepsThePreviousCheckpoint) {
   const std::string prefix = tmpfs ? "" : "ulimit -f " + std::to_string(std::max<int64_t>(1, ckpt_kib / 4)) + "; ";
   Result r = train(2, "--steps 4 --save-every 2 --resume --save-dir " + small, prefix);
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "train_gpt: error: checkpoint of step 4 failed"), 2) << "every rank stops\n" << r.output;
+  EXPECT_EQ(count(r.output, "train_gpt: error: "), 2) << "every rank stops, one line each\n" << r.output;
+  EXPECT_EQ(count(r.output, "checkpoint of step 4 failed"), 2) << r.output;
   EXPECT_TRUE(contains(r.output, small + "/step_00000004.tmp-")) << "names the path\n" << r.output;
   if (tmpfs) {
     EXPECT_TRUE(contains(r.output, "No space left on device")) << r.output;
@@ -308,7 +307,9 @@ TEST(TrainGptCli, FullDiskIsAClearErrorAndKeepsThePreviousCheckpoint) {
   EXPECT_EQ(step_folders(small), std::vector<std::string>{"step_00000002"}) << "the partial folder is removed";
   EXPECT_EQ(latest_of(small), "step_00000002");
   EXPECT_EQ(run_shell(kCkpt + " verify " + quote(small + "/step_00000002")).exit_code, 0);
-  if (tmpfs) EXPECT_EQ(::umount(small.c_str()), 0);
+  if (tmpfs) {
+    EXPECT_EQ(::umount(small.c_str()), 0);
+  }
   remove_root(root);
 }
 

@@ -1,5 +1,6 @@
 #include "bmt/checkpoint/sharded_checkpoint.h"
 
+#include <algorithm>
 #include <mutex>
 #include <set>
 
@@ -247,8 +248,18 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
     }
   });
   if (err.empty() && !errors.empty()) {
-    err = "the checkpoint does not match the training state:";
-    for (const auto& e : errors) err += "\n    " + e;
+    // A damaged block is met once per entry stored in it: report each distinct problem once. Read failures
+    // (checksums, truncation) come first: they are not a mismatch of the training state.
+    std::vector<std::string> unique;
+    for (const auto& e : errors)
+      if (std::find(unique.begin(), unique.end(), e) == unique.end()) unique.push_back(e);
+    std::stable_partition(unique.begin(), unique.end(), [](const std::string& e) {
+      return e.find("checksum mismatch") != std::string::npos || e.find("truncated") != std::string::npos;
+    });
+    const bool damaged = unique.front().find("checksum mismatch") != std::string::npos ||
+                         unique.front().find("truncated") != std::string::npos;
+    err = damaged ? "the checkpoint is damaged:" : "the checkpoint does not match the training state:";
+    for (const auto& e : unique) err += "\n    " + e;
   }
   detail::raise_if_any_failed(comm, err, what);
 
