@@ -1,37 +1,51 @@
-// Training checkpoints (collective: every rank calls save/load together).
-//
-// Layout under root:
-//   root/step_<8 digits>/model.pt          consolidated model state (bmt::state_dict, full tensors — also with
-//                                          tensor parallelism, so it loads at any tp), rank 0
-//   root/step_<8 digits>/optim.rank<r>.pt  rank r's OptimManager state (its optimizer shard, loss scale, LR
-//                                          schedule) plus trainer.step, trainer.world_size and trainer.tp_size
-//   root/latest                            the name of the newest complete checkpoint directory
-// Every file is written to "<name>.tmp" and renamed into place, and `latest` is replaced only after every rank
-// has finished writing, so a crash leaves either the previous or the new checkpoint, never a torn one.
-// Files are torch::serialize archives of a flat name -> tensor map (bmt::optim::save_state_dict).
+// Training checkpoints of train_gpt (collective: every rank calls save/load together), in bmtrain's sharded
+// format (bmt::checkpoint: one checksummed shard file per rank plus checkpoint.meta; `bmt-ckpt verify DIR` checks
+// one). Layout under root:
+//   root/step_<8 digits>/  one bmt::checkpoint directory: the model, the OptimManager (AdamW moments, LR schedule
+//                          position, loss scale) and the RNG states, with user metadata trainer.step,
+//                          trainer.world_size and trainer.tp_size. It loads at any world size and tp size
+//                          (optimizer state re-cut, not restarted); the RNG states only at the same sizes.
+//   root/latest            the name of the newest complete checkpoint directory
+// bmt::checkpoint::save writes into a temporary directory, fsyncs it and renames it into place; `latest` is
+// replaced (written, fsynced, renamed, parent fsynced) only after that, and only then are older step folders
+// beyond keep_last deleted. A crash or a failed save therefore leaves `latest` on a complete checkpoint.
 #pragma once
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "bmt/optim/optim_manager.h"
 #include "models/language_model.h"
 
 namespace examples {
 
-// Returns the directory written.
-std::string save_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
-                            const bmt::optim::OptimManager& optim);
+struct SavedCheckpoint {
+  std::string dir;                   // the step folder written
+  std::vector<std::string> removed;  // older step folders deleted for keep_last
+};
+
+// keep_last > 0: keep the newest keep_last step folders (the new one included), delete older ones; 0 keeps all.
+// Throws bmt::core::Error on every rank when any rank failed (e.g. a full disk): the partial step folder is gone,
+// `latest` and the earlier checkpoints are untouched.
+SavedCheckpoint save_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
+                                bmt::optim::OptimManager& optim, int64_t keep_last);
 
 struct ResumeInfo {
-  int64_t step = 0;              // steps already done
-  bool optimizer_restored = false;  // false when the world or tp size changed (shards no longer match)
+  int64_t step = 0;  // steps already done
+  int saved_world_size = 0, saved_tp_size = 0;
+  bool rng_restored = false;  // false when the world or tp size changed
   std::string dir;
 };
-// Loads root/latest; nullopt when there is no checkpoint. Throws bmt::core::Error on a damaged checkpoint.
-std::optional<ResumeInfo> load_checkpoint(const std::string& root, LanguageModel& model, bmt::optim::OptimManager& optim);
+// Loads the checkpoint root/latest names; nullopt when there is no root/latest. Throws bmt::core::Error naming
+// the damaged or missing file and the way out (an earlier step folder) on every rank.
+std::optional<ResumeInfo> load_checkpoint(const std::string& root, LanguageModel& model,
+                                          bmt::optim::OptimManager& optim);
 
-// Writes `contents` to path atomically (temp file + rename).
+// The step folder name, "step_00000042".
+std::string step_dir_name(int64_t step);
+
+// Writes `contents` to path durably and atomically (temp file, fsync, rename, fsync of the parent directory).
 void write_file_atomic(const std::string& path, const std::string& contents);
 
 }  // namespace examples

@@ -1,5 +1,6 @@
 #include "train/train_args.h"
 
+#include <cmath>
 #include <functional>
 #include <map>
 
@@ -26,7 +27,13 @@ std::string train_usage() {
   --dtype D           parameter dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
   --checkpointing     recompute each block's forward in backward
   --eval-every K      held-out loss (and task accuracy) every K steps; --eval-batches N
-  --save-every K --save-dir D    checkpoints (D/step_<n>, D/latest); --resume continues from D/latest
+  --save-every K --save-dir D    checkpoints every K steps and at the end: D/step_<n> (bmtrain's sharded,
+                      checksummed format: model, optimizer, LR schedule, RNG; `bmt-ckpt verify D/step_<n>`)
+                      and D/latest; --resume continues from D/latest, also at another world or tp size
+                      (optimizer state resharded, not restarted)
+  --keep-last K       keep the newest K checkpoints, delete older ones after each new one (default 0: all)
+  --max-skipped-steps N  stop with an error after N steps in a row skipped for inf/NaN (default 20); a
+                      checkpoint due on a skipped step waits for the next good one
   --metrics PATH.jsonl           one JSON object per step (rank 0)
   --progress auto|bar|lines|off  --log-every N
   --samples N --sample-tokens N --top-k K   generated samples at the end (top-k 0: greedy)
@@ -68,11 +75,13 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       {"--tp", [&](const std::string& n, const std::string& v) { a.tp = static_cast<int>(to_i64(n, v)); }},
       {"--eval-every", i64(a.eval_every)}, {"--eval-batches", i64(a.eval_batches)},
       {"--task-rows", i64(a.task_rows)}, {"--save-every", i64(a.save_every)}, {"--save-dir", str(a.save_dir)},
+      {"--keep-last", i64(a.keep_last)}, {"--max-skipped-steps", i64(a.max_skipped_steps)},
       {"--metrics", str(a.metrics_path)}, {"--progress", str(a.progress)}, {"--log-every", i64(a.log_every)},
       {"--samples", i64(a.samples)}, {"--sample-tokens", i64(a.sample_tokens)}, {"--top-k", i64(a.top_k)},
       {"--export-hf", str(a.export_hf)}, {"--dtype", str(a.dtype)},
       {"--seed", [&](const std::string& n, const std::string& v) { a.seed = static_cast<uint64_t>(to_i64(n, v)); }},
   };
+  std::map<std::string, std::string> given;  // option -> value as typed, for the range checks below
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i], value;
     bool inline_value = false;
@@ -93,10 +102,34 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
         value = argv[++i];
       }
       it->second(arg, value);
+      given[arg] = value;
     } else {
       BMT_ERROR("unknown option '", arg, "' (see --help)");
     }
   }
+  // Given values must be usable: -1 means "the preset's default" only when the option is absent.
+  auto positive = [&](const char* opt, double v) {
+    BMT_CHECK(!given.count(opt) || (v > 0 && std::isfinite(v)), "option ", opt, " must be positive, got '",
+              given[opt], "'");
+  };
+  auto non_negative = [&](const char* opt, int64_t v) {
+    BMT_CHECK(!given.count(opt) || v >= 0, "option ", opt, " must be >= 0, got '", given[opt], "'");
+  };
+  positive("--steps", static_cast<double>(a.steps));
+  positive("--batch", static_cast<double>(a.batch));
+  positive("--seq", static_cast<double>(a.seq));
+  positive("--lr", a.lr);
+  positive("--eval-every", static_cast<double>(a.eval_every));
+  positive("--eval-batches", static_cast<double>(a.eval_batches));
+  positive("--max-skipped-steps", static_cast<double>(a.max_skipped_steps));
+  non_negative("--warmup", a.warmup);
+  non_negative("--stop-at", a.stop_at);
+  non_negative("--keep-last", a.keep_last);
+  non_negative("--save-every", a.save_every);
+  non_negative("--task-rows", a.task_rows);
+  non_negative("--samples", a.samples);
+  non_negative("--sample-tokens", a.sample_tokens);
+  BMT_CHECK(a.weight_decay >= 0 && a.grad_clip >= 0, "--weight-decay and --grad-clip must be >= 0");
   BMT_CHECK(a.zero == 2 || a.zero == 3, "--zero must be 2 or 3, got ", a.zero);
   BMT_CHECK(a.tp >= 1, "--tp must be >= 1, got ", a.tp);
   BMT_CHECK(a.dtype == "auto" || a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be auto, fp32 or bf16, got '",
@@ -104,7 +137,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
   BMT_CHECK(a.model == "gpt" || a.model == "llama", "--model must be gpt or llama, got '", a.model, "'");
   BMT_CHECK(a.progress == "auto" || a.progress == "bar" || a.progress == "lines" || a.progress == "off",
             "--progress must be auto, bar, lines or off, got '", a.progress, "'");
-  BMT_CHECK(a.save_every >= 0 && a.eval_batches > 0 && a.top_k >= 0, "--save-every, --eval-batches, --top-k: bad value");
+  BMT_CHECK(a.top_k >= 0, "--top-k must be >= 0, got ", a.top_k);
   return a;
 }
 

@@ -1,5 +1,6 @@
 // TrainArgs: every option of train_gpt, their defaults, and the command-line parser.
-// Values left at -1 / empty are filled from the preset (models/presets.h) by resolve().
+// Values left at -1 / empty are filled from the preset (models/presets.h) by resolve_settings (settings.h);
+// values given on the command line are checked here (a negative or zero --steps is an error, not "the default").
 #pragma once
 
 #include <cstdint>
@@ -24,7 +25,9 @@ struct TrainArgs {
   int64_t eval_every = -1, eval_batches = 4, task_rows = 256;
   int64_t save_every = 0;
   std::string save_dir = "checkpoints";
+  int64_t keep_last = 0;            // keep the newest K step folders (0: all)
   bool resume = false;
+  int64_t max_skipped_steps = 20;   // stop with an error after this many inf/NaN steps in a row
   std::string metrics_path;
   std::string progress = "auto";    // auto (bar on a TTY, else lines) | bar | lines | off
   int64_t log_every = -1;           // lines mode: print every N steps (-1: ~30 lines per run)

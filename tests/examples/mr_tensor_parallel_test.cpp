@@ -222,7 +222,7 @@ TEST(TensorParallelModels, TrainerAtTp2ResumesTheSameRun) {
     a.stop_at = 3;
     a.save_every = 3;
     EXPECT_EQ(examples::run_training(a).end_step, 3);
-    EXPECT_TRUE(std::filesystem::exists(a.save_dir + "/step_00000003/optim.rank1.pt"));
+    EXPECT_TRUE(std::filesystem::exists(a.save_dir + "/step_00000003/rank-00001.bin"));  // sharded format
     a.stop_at = -1;
     a.save_every = 0;
     a.resume = true;

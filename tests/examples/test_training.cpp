@@ -79,8 +79,8 @@ TEST(Training, ResumeContinuesTheSameRun) {
     a.stop_at = 8;  // interrupted after step 8 (same 12-step schedule), checkpointed at steps 4 and 8
     a.save_every = 4;
     EXPECT_EQ(examples::run_training(a).end_step, 8);
-    EXPECT_TRUE(fs::exists(a.save_dir + "/step_00000004/model.pt"));
-    EXPECT_TRUE(fs::exists(a.save_dir + "/step_00000008/optim.rank1.pt"));
+    EXPECT_TRUE(fs::exists(a.save_dir + "/step_00000004/checkpoint.meta"));  // bmtrain's sharded format
+    EXPECT_TRUE(fs::exists(a.save_dir + "/step_00000008/rank-00001.bin"));
     a.stop_at = -1;
     a.resume = true;
     a.save_every = 0;

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,13 +27,31 @@ std::string errno_str(int err) { return std::strerror(err); }
 
 constexpr int64_t kMaxWriteNbytes = int64_t{8} << 20;  // per write() call (the hook's granularity)
 
+// For the errors that mean "no room": the free space of the file's filesystem (or the file-size limit), so the
+// message says what to free or raise.
+std::string space_hint(const std::string& path, int err) {
+  if (err == EFBIG)
+    return " (the file exceeds the file-size limit of this process or filesystem: check `ulimit -f`)";
+  if (err != ENOSPC && err != EDQUOT) return "";
+  struct statvfs st {};
+  const std::string dir = parent_directory(path);
+  if (::statvfs(dir.c_str(), &st) != 0) return " (the disk holding " + dir + " is full)";
+  const double free_mib = static_cast<double>(st.f_bavail) * static_cast<double>(st.f_frsize) / (1 << 20);
+  const double total_mib = static_cast<double>(st.f_blocks) * static_cast<double>(st.f_frsize) / (1 << 20);
+  char buf[160];
+  std::snprintf(buf, sizeof buf, " (the filesystem holding %s has %.1f MiB free of %.1f MiB", dir.c_str(), free_mib,
+                total_mib);
+  return std::string(buf) + (err == EDQUOT ? "; your disk quota is exhausted)" : "; free space or save elsewhere)");
+}
+
 }  // namespace
 
 void set_write_hook(WriteHook hook) { write_hook() = std::move(hook); }
 
 OutFile::OutFile(const std::string& path) : path_(path) {
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  BMT_CHECK(fd_ >= 0, "cannot create file ", path, ": ", errno_str(errno));
+  const int err = errno;
+  BMT_CHECK(fd_ >= 0, "cannot create file ", path, ": ", errno_str(err), space_hint(path, err));
 }
 
 OutFile::~OutFile() {
@@ -46,9 +65,10 @@ void OutFile::write(const void* data, int64_t nbytes) {
     const int64_t n = std::min(nbytes, kMaxWriteNbytes);
     if (write_hook()) write_hook()(path_, pos_, n);
     ssize_t w = ::write(fd_, p, static_cast<size_t>(n));
-    if (w < 0 && errno == EINTR) continue;
+    const int err = errno;
+    if (w < 0 && err == EINTR) continue;
     BMT_CHECK(w > 0, "cannot write ", n, " bytes to ", path_, " at offset ", pos_, ": ",
-              w < 0 ? errno_str(errno) : std::string("no progress"));
+              w < 0 ? errno_str(err) : std::string("no progress"), w < 0 ? space_hint(path_, err) : std::string());
     p += w;
     pos_ += w;
     nbytes -= w;
@@ -66,14 +86,15 @@ void OutFile::write_zeros(int64_t nbytes) {
 
 void OutFile::sync() {
   BMT_ASSERT(fd_ >= 0, "sync after close of ", path_);
-  BMT_CHECK(::fsync(fd_) == 0, "fsync of ", path_, " failed: ", errno_str(errno));
+  const int rc = ::fsync(fd_), err = errno;
+  BMT_CHECK(rc == 0, "fsync of ", path_, " failed: ", errno_str(err), space_hint(path_, err));
 }
 
 void OutFile::close() {
   if (fd_ < 0) return;
-  int rc = ::close(fd_);
+  const int rc = ::close(fd_), err = errno;
   fd_ = -1;
-  BMT_CHECK(rc == 0, "closing ", path_, " failed: ", errno_str(errno));
+  BMT_CHECK(rc == 0, "closing ", path_, " failed: ", errno_str(err), space_hint(path_, err));
 }
 
 InFile::InFile(const std::string& path) : path_(path) {

@@ -84,6 +84,14 @@ void SaveJob::body() {
   });
   spec_.items.clear();
   if (!error_.empty()) {
+    char need[96];
+    std::snprintf(need, sizeof need, " [this rank's shard file needs %.1f MiB]",
+                  static_cast<double>(spec_.file_nbytes) / (1 << 20));
+    error_ += need;  // with a full disk's free space in the message: how much to free
+    try {  // the partial shard first: on a full disk the marker needs its space
+      remove_tree(join_path(spec_.tmp_dir, name));
+    } catch (...) {
+    }
     try {
       write_file_durable(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
     } catch (...) {

@@ -6,7 +6,10 @@
 //               "rank-XXXXX.failed" (the error) on failure;
 //   rank 0:     waits (up to the configured timeout) until every rank's .done exists (a .failed ends the wait
 //               with that rank's error), writes the metadata file last, removes the .done files and commits the
-//               directory (atomic_dir.h). On any failure it deletes the temporary directory.
+//               directory (atomic_dir.h). On any failure it deletes the temporary directory, and deletes it
+//               again once every rank has agreed on the failure (sharded_checkpoint.cpp): a rank still writing
+//               when rank 0 failed may have left files behind. A failed rank removes its partial shard before
+//               writing its marker, so that a full disk has room for the marker.
 // finish() joins the thread; the caller then agrees on the outcome with a collective (sharded_checkpoint.cpp).
 #pragma once
 
@@ -48,6 +51,7 @@ class SaveJob {
   double write_s() const { return write_s_; }
   double total_s() const { return total_s_; }
   int64_t rank_nbytes() const { return spec_.file_nbytes; }
+  const std::string& tmp_dir() const { return spec_.tmp_dir; }
   bool finished() const { return finished_; }
   std::chrono::steady_clock::time_point started{std::chrono::steady_clock::now()};
 

@@ -1,11 +1,13 @@
 #include "bmt/checkpoint/sharded_checkpoint.h"
 
+#include <algorithm>
 #include <mutex>
 #include <set>
 
 #include "bmt/checkpoint/atomic_dir.h"
 #include "bmt/checkpoint/checkpoint_reader.h"
 #include "bmt/checkpoint/comm_util.h"
+#include "bmt/checkpoint/file_io.h"
 #include "bmt/checkpoint/save_job.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
@@ -58,6 +60,13 @@ SaveStats wait_state(SaveHandle::State& s) {
     detail::raise_if_any_failed(*config().comm, s.job->error(), "checkpoint save to " + s.stats.dir);
   } catch (const std::exception& e) {
     s.final_error = e.what();
+    // Every rank's part has ended: no writer can recreate files in the temporary directory any more.
+    if (config().comm->rank() == 0) {
+      try {
+        remove_tree(s.job->tmp_dir());
+      } catch (...) {
+      }
+    }
     throw;
   }
   return s.stats;
@@ -239,8 +248,18 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
     }
   });
   if (err.empty() && !errors.empty()) {
-    err = "the checkpoint does not match the training state:";
-    for (const auto& e : errors) err += "\n    " + e;
+    // A damaged block is met once per entry stored in it: report each distinct problem once. Read failures
+    // (checksums, truncation) come first: they are not a mismatch of the training state.
+    std::vector<std::string> unique;
+    for (const auto& e : errors)
+      if (std::find(unique.begin(), unique.end(), e) == unique.end()) unique.push_back(e);
+    std::stable_partition(unique.begin(), unique.end(), [](const std::string& e) {
+      return e.find("checksum mismatch") != std::string::npos || e.find("truncated") != std::string::npos;
+    });
+    const bool damaged = unique.front().find("checksum mismatch") != std::string::npos ||
+                         unique.front().find("truncated") != std::string::npos;
+    err = damaged ? "the checkpoint is damaged:" : "the checkpoint does not match the training state:";
+    for (const auto& e : unique) err += "\n    " + e;
   }
   detail::raise_if_any_failed(comm, err, what);
 

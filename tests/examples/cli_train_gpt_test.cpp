@@ -1,0 +1,347 @@
+// train_gpt end to end: the real bmtrun and train_gpt binaries on CPU ranks (Gloo), checked from the outside as
+// a user sees them: exit status, messages, the checkpoint folders.
+//  * checkpoints are integrity-checked: 64 flipped bytes inside a model tensor or an optimizer tensor of a shard
+//    file make --resume fail on every rank, naming the file, before any step runs;
+//  * resuming at another world size keeps the optimizer state (Adam's step count and second moments continue);
+//  * --keep-last, the divergence stop (--max-skipped-steps), a full disk (small tmpfs, or `ulimit -f` where
+//    mounting is not allowed), and the messages for bad options, a missing or truncated shard file, an absurd
+//    --seq and a lone rank whose rank 0 never starts.
+// Every command runs under coreutils `timeout`, so a hang fails a test instead of blocking the suite.
+#include <gtest/gtest.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bmt/checkpoint/checkpoint_reader.h"
+
+namespace {
+
+const std::string kBmtrun = BMTRUN_PATH;
+const std::string kTrain = TRAIN_GPT_PATH;
+const std::string kCkpt = BMT_CKPT_PATH;
+
+struct Result {
+  int exit_code = -1;
+  std::string output;
+  double seconds = 0;
+};
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+Result run_shell(const std::string& shell, int limit_s = 240) {
+  const std::string cmd = "timeout -k 5 " + std::to_string(limit_s) + " sh -c " + quote(shell + " 2>&1");
+  const auto t0 = std::chrono::steady_clock::now();
+  Result r;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) r.output.append(buf, n);
+  const int status = ::pclose(p);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+// A small, fast run of the tiny preset; `extra` adds or overrides options.
+Result train(int nproc, const std::string& extra, const std::string& prefix = "") {
+  return run_shell(prefix + kBmtrun + " --nproc " + std::to_string(nproc) + " " + kTrain +
+                   " --batch 8 --seq 40 --eval-batches 1 --task-rows 16 --eval-every 1000 --samples 0"
+                   " --progress lines --log-every 1 " + extra);
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+int count(const std::string& text, const std::string& part) {
+  int n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
+std::string temp_root(const std::string& name) {
+  std::string tmpl = "/tmp/bmt_cli_" + name + "_XXXXXX";
+  EXPECT_NE(::mkdtemp(tmpl.data()), nullptr);
+  return tmpl;
+}
+
+void remove_root(const std::string& root) { EXPECT_EQ(std::system(("rm -rf " + quote(root)).c_str()), 0); }
+
+std::string latest_of(const std::string& root) {
+  std::string name;
+  std::ifstream(root + "/latest") >> name;
+  return name;
+}
+
+std::vector<std::string> step_folders(const std::string& root) {
+  Result r = run_shell("ls -1 " + quote(root));
+  std::vector<std::string> out;
+  std::istringstream in(r.output);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("step_", 0) == 0) out.push_back(line);
+  return out;
+}
+
+// Nothing a user should see by default: torch's C++ backtraces.
+void expect_no_backtrace(const std::string& out) {
+  EXPECT_FALSE(contains(out, "Exception raised from")) << out;
+  EXPECT_FALSE(contains(out, "frame #")) << out;
+}
+
+int64_t dtype_nbytes(const std::string& dtype) {
+  if (dtype == "F32" || dtype == "float32") return 4;
+  if (dtype == "F64" || dtype == "float64" || dtype == "I64" || dtype == "int64") return 8;
+  if (dtype == "BF16" || dtype == "bfloat16" || dtype == "F16" || dtype == "float16") return 2;
+  ADD_FAILURE() << "unknown dtype " << dtype;
+  return 1;
+}
+
+// Flips 64 bytes in the middle of the largest tensor whose key starts with `prefix` stored in rank-00000.bin
+// (a sharded checkpoint keeps model and optimizer tensors in the same per-rank file).
+void flip_bytes_in(const std::string& ckpt_dir, const std::string& prefix) {
+  bmt::checkpoint::CheckpointReader reader(ckpt_dir);
+  int64_t best_offset = -1, best_nbytes = 0;
+  std::string best_key;
+  for (const auto& e : reader.metadata().entries) {
+    if (e.key.rfind(prefix, 0) != 0) continue;
+    for (const auto& p : e.pieces) {
+      const int64_t nbytes = (p.elem_end - p.elem_begin) * dtype_nbytes(e.dtype);
+      if (p.file == 0 && nbytes > best_nbytes) best_offset = p.byte_offset, best_nbytes = nbytes, best_key = e.key;
+    }
+  }
+  EXPECT_GE(best_nbytes, 256) << "no tensor under " << prefix << " in " << ckpt_dir;
+  const std::string path = ckpt_dir + "/rank-00000.bin";
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  const int64_t at = best_offset + best_nbytes / 2 - 32;
+  char buf[64];
+  f.seekg(at);
+  f.read(buf, 64);
+  for (char& c : buf) c = static_cast<char>(~c);
+  f.seekp(at);
+  f.write(buf, 64);
+  EXPECT_TRUE(f.good()) << path;
+}
+
+// The resume after damage must fail on every rank (one line each), name the file, run no step.
+void expect_resume_refused(const std::string& root, const std::string& why, const std::string& file) {
+  Result r = train(2, "--steps 6 --save-every 2 --resume --save-dir " + root);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "train_gpt: error: "), 2) << "one line per rank\n" << r.output;
+  EXPECT_EQ(count(r.output, "cannot resume from " + root + "/step_00000004"), 2) << r.output;
+  EXPECT_TRUE(contains(r.output, file)) << r.output;
+  EXPECT_TRUE(contains(r.output, why)) << r.output;
+  EXPECT_TRUE(contains(r.output, root + "/latest")) << "the way out (an earlier step) is named\n" << r.output;
+  EXPECT_FALSE(contains(r.output, "step 5/")) << "no step may run after a failed resume\n" << r.output;
+  expect_no_backtrace(r.output);
+  EXPECT_EQ(latest_of(root), "step_00000004");
+}
+
+}  // namespace
+
+TEST(TrainGptCli, DamagedCheckpointIsRefusedNamingTheFile) {
+  const std::string root = temp_root("damaged");
+  Result first = train(2, "--steps 4 --save-every 2 --save-dir " + root);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  ASSERT_EQ(latest_of(root), "step_00000004");
+  const std::string step4 = root + "/step_00000004";
+  ASSERT_EQ(run_shell("cp -a " + quote(step4) + " " + quote(root + "/pristine")).exit_code, 0);
+  ASSERT_EQ(run_shell(kCkpt + " verify " + quote(step4)).exit_code, 0);
+
+  flip_bytes_in(step4, "model/");
+  expect_resume_refused(root, "the checkpoint is damaged", "checksum mismatch in rank-00000.bin");
+  Result verify = run_shell(kCkpt + " verify " + quote(step4));
+  EXPECT_NE(verify.exit_code, 0) << "bmt-ckpt must see the damage too\n" << verify.output;
+
+  ASSERT_EQ(run_shell("rm -rf " + quote(step4) + " && cp -a " + quote(root + "/pristine") + " " + quote(step4)).exit_code, 0);
+  flip_bytes_in(step4, "optim/");
+  expect_resume_refused(root, "the checkpoint is damaged", "checksum mismatch in rank-00000.bin");
+
+  // A missing and a truncated shard file: named, with the fix; still no step runs.
+  ASSERT_EQ(run_shell("rm -rf " + quote(step4) + " && cp -a " + quote(root + "/pristine") + " " + quote(step4) +
+                      " && rm " + quote(step4 + "/rank-00001.bin")).exit_code, 0);
+  expect_resume_refused(root, "missing shard file", step4 + "/rank-00001.bin");
+  ASSERT_EQ(run_shell("rm -rf " + quote(step4) + " && cp -a " + quote(root + "/pristine") + " " + quote(step4) +
+                      " && truncate -s 1000 " + quote(step4 + "/rank-00001.bin")).exit_code, 0);
+  expect_resume_refused(root, "truncated", step4 + "/rank-00001.bin");
+
+  // The pristine copy resumes and continues.
+  ASSERT_EQ(run_shell("rm -rf " + quote(step4) + " && cp -a " + quote(root + "/pristine") + " " + quote(step4)).exit_code, 0);
+  Result ok = train(2, "--steps 6 --resume --save-dir " + root);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_TRUE(contains(ok.output, "resumed from " + step4 + " at step 4")) << ok.output;
+  remove_root(root);
+}
+
+// Adam's per-parameter step count and second moments, read from a checkpoint.
+struct AdamState {
+  double step = -1;
+  at::Tensor exp_avg_sq;  // every exp_avg_sq entry, flattened and concatenated (checkpoint entry order)
+};
+AdamState adam_state(const std::string& dir) {
+  bmt::checkpoint::CheckpointReader reader(dir);
+  AdamState s;
+  std::vector<at::Tensor> parts;
+  for (const auto& e : reader.metadata().entries) {
+    if (e.key.rfind("optim/", 0) != 0) continue;
+    const std::string tail = e.key.substr(e.key.rfind('/') + 1);
+    if (tail == "exp_avg_sq") parts.push_back(reader.read_full(e).to(at::kDouble).reshape({-1}));
+    if (tail == "step" && s.step < 0) s.step = reader.read_full(e).to(at::kDouble).item<double>();
+  }
+  if (!parts.empty()) s.exp_avg_sq = at::cat(parts);
+  return s;
+}
+
+TEST(TrainGptCli, ResumeAtAnotherWorldSizeKeepsOptimizerState) {
+  const std::string root = temp_root("reshard");
+  Result two = train(2, "--steps 12 --stop-at 8 --save-every 8 --save-dir " + root);
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const AdamState at8 = adam_state(root + "/step_00000008");
+  ASSERT_EQ(at8.step, 8) << "Adam's step count (keys: optim/.../step)";
+  ASSERT_TRUE(at8.exp_avg_sq.defined());
+
+  Result one = train(1, "--steps 12 --stop-at 9 --save-every 1 --resume --save-dir " + root);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_TRUE(contains(one.output, "resumed from " + root + "/step_00000008 at step 8 (saved at world 2")) << one.output;
+  const AdamState at9 = adam_state(root + "/step_00000009");
+  EXPECT_EQ(at9.step, 9) << "a restarted optimizer would be at step 1";
+  // v9 = 0.95 v8 + 0.05 g^2 >= 0.95 v8 everywhere; a restarted v (0.05 g^2) is far below it almost everywhere.
+  ASSERT_EQ(at9.exp_avg_sq.numel(), at8.exp_avg_sq.numel());
+  EXPECT_TRUE((at9.exp_avg_sq >= at8.exp_avg_sq * 0.95 * (1 - 1e-5)).all().item<bool>());
+  // The loss continues where it was (step 8's line of the first run, step 9's of the second).
+  std::smatch m8, m9;
+  ASSERT_TRUE(std::regex_search(two.output, m8, std::regex(R"(step 8/12 loss ([0-9.]+))"))) << two.output;
+  ASSERT_TRUE(std::regex_search(one.output, m9, std::regex(R"(step 9/12 loss ([0-9.]+))"))) << one.output;
+  EXPECT_NEAR(std::stod(m9[1]), std::stod(m8[1]), 0.5);
+
+  // And back: world 1 -> 2.
+  Result back = train(2, "--steps 12 --save-every 12 --resume --save-dir " + root);
+  ASSERT_EQ(back.exit_code, 0) << back.output;
+  EXPECT_EQ(adam_state(root + "/step_00000012").step, 12);
+  remove_root(root);
+}
+
+TEST(TrainGptCli, KeepLastDeletesOlderCheckpointsOnlyAfterTheNewOne) {
+  const std::string root = temp_root("keep");
+  Result r = train(2, "--steps 8 --save-every 2 --keep-last 2 --save-dir " + root);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(step_folders(root), (std::vector<std::string>{"step_00000006", "step_00000008"})) << r.output;
+  EXPECT_EQ(latest_of(root), "step_00000008");
+  EXPECT_EQ(run_shell(kCkpt + " verify " + quote(root + "/step_00000006")).exit_code, 0);
+  EXPECT_TRUE(contains(r.output, "(removed 1 older)")) << r.output;
+  // Without --keep-last every checkpoint stays.
+  Result all = train(2, "--steps 12 --save-every 2 --resume --save-dir " + root);
+  ASSERT_EQ(all.exit_code, 0) << all.output;
+  EXPECT_EQ(step_folders(root).size(), 4u);
+  remove_root(root);
+}
+
+TEST(TrainGptCli, DivergedRunStopsWithoutSavingBadState) {
+  const std::string root = temp_root("nan");
+  // A learning rate this large overflows the parameters to inf after the first updates: every later step is
+  // inf/NaN and skipped.
+  Result r = train(2, "--steps 40 --lr 1e30 --warmup 0 --save-every 1 --max-skipped-steps 3 --save-dir " + root);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(count(r.output, "train_gpt: error: "), 2) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"(3 steps in a row were skipped .* The last good step was (\d+))")))
+      << r.output;
+  const int last_good = std::stoi(m[1]);
+  EXPECT_LT(last_good, 40);
+  for (const std::string& f : step_folders(root))
+    EXPECT_LE(std::stoi(f.substr(5)), last_good) << "a checkpoint saved after the run went bad: " << f;
+  if (last_good > 0) {
+    char name[32];
+    std::snprintf(name, sizeof name, "step_%08d", last_good);
+    EXPECT_EQ(latest_of(root), name);
+  }
+  expect_no_backtrace(r.output);
+  remove_root(root);
+}
+
+// A full disk during a save: a small tmpfs (root may mount one), else a file-size limit (EFBIG), which the
+// environment variable BMT_TEST_DISK_FULL=ulimit selects explicitly.
+TEST(TrainGptCli, FullDiskIsAClearErrorAndKeepsThePreviousCheckpoint) {
+  const std::string root = temp_root("disk");
+  const std::string plain = root + "/plain", small = root + "/small";
+  Result first = train(2, "--steps 4 --stop-at 2 --save-every 2 --save-dir " + plain);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const int64_t ckpt_kib = std::stoll(run_shell("du -sk " + quote(plain + "/step_00000002") + " | cut -f1").output);
+  ASSERT_GT(ckpt_kib, 0);
+  ::mkdir(small.c_str(), 0755);
+  const char* mode_env = std::getenv("BMT_TEST_DISK_FULL");
+  bool tmpfs = !(mode_env && std::string(mode_env) == "ulimit");
+  if (tmpfs) {
+    // Room for the first checkpoint and half of the second.
+    const std::string opts = "size=" + std::to_string(ckpt_kib * 3 / 2 + 64) + "k";
+    tmpfs = ::mount("tmpfs", small.c_str(), "tmpfs", 0, opts.c_str()) == 0;
+  }
+  std::cout << "[ disk full simulated with " << (tmpfs ? "a small tmpfs" : "ulimit -f (EFBIG)") << " ]\n";
+  RecordProperty("disk_full_mode", tmpfs ? "tmpfs" : "ulimit");
+  ASSERT_EQ(run_shell("cp -a " + quote(plain) + "/. " + quote(small)).exit_code, 0);
+  const std::string prefix = tmpfs ? "" : "ulimit -f " + std::to_string(std::max<int64_t>(1, ckpt_kib / 4)) + "; ";
+  Result r = train(2, "--steps 4 --save-every 2 --resume --save-dir " + small, prefix);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "train_gpt: error: "), 2) << "every rank stops, one line each\n" << r.output;
+  EXPECT_EQ(count(r.output, "checkpoint of step 4 failed"), 2) << r.output;
+  EXPECT_TRUE(contains(r.output, small + "/step_00000004.tmp-")) << "names the path\n" << r.output;
+  if (tmpfs) {
+    EXPECT_TRUE(contains(r.output, "No space left on device")) << r.output;
+    EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(has [0-9.]+ MiB free of [0-9.]+ MiB)"))) << r.output;
+  } else {
+    EXPECT_TRUE(contains(r.output, "ulimit -f")) << r.output;
+  }
+  EXPECT_TRUE(contains(r.output, small + "/step_00000002 is intact")) << r.output;
+  expect_no_backtrace(r.output);
+  EXPECT_EQ(step_folders(small), std::vector<std::string>{"step_00000002"}) << "the partial folder is removed";
+  EXPECT_EQ(latest_of(small), "step_00000002");
+  EXPECT_EQ(run_shell(kCkpt + " verify " + quote(small + "/step_00000002")).exit_code, 0);
+  if (tmpfs) {
+    EXPECT_EQ(::umount(small.c_str()), 0);
+  }
+  remove_root(root);
+}
+
+TEST(TrainGptCli, BadOptionsAreRejected) {
+  for (const std::string bad : {"--steps -5", "--steps 0", "--batch 0", "--batch -2", "--lr -1", "--lr 0",
+                                "--seq 0", "--seq -64", "--keep-last -1", "--max-skipped-steps 0"}) {
+    Result r = run_shell(kTrain + " " + bad, 30);
+    EXPECT_EQ(r.exit_code, 2) << bad << "\n" << r.output;
+    const std::string opt = bad.substr(0, bad.find(' '));
+    EXPECT_TRUE(contains(r.output, "option " + opt + " must be")) << bad << "\n" << r.output;
+    EXPECT_EQ(count(r.output, "\n"), 1) << "one line\n" << r.output;
+  }
+}
+
+TEST(TrainGptCli, AbsurdSeqIsRefusedBeforeAllocating) {
+  Result r = train(1, "--seq 100000000 --steps 2", "");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "--seq 100000000 with --batch 8 needs at least")) << r.output;
+  EXPECT_TRUE(contains(r.output, "lower --seq or --batch")) << r.output;
+  EXPECT_LT(r.seconds, 60);
+  expect_no_backtrace(r.output);
+}
+
+TEST(TrainGptCli, LoneRankWithoutRankZeroGivesOneMessage) {
+  // Rank 1 of 2 started by hand (as under Slurm); rank 0 never comes.
+  const std::string env = "RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 "
+                          "MASTER_PORT=" + std::to_string(20000 + ::getpid() % 20000) + " BMT_TIMEOUT_S=4 ";
+  Result r = run_shell(env + kTrain + " --steps 2", 60);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(count(r.output, "train_gpt: error: "), 1) << r.output;
+  EXPECT_EQ(count(r.output, "\n"), 1) << "one line\n" << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 0")) << r.output;
+  EXPECT_LT(r.seconds, 4 + 6) << "waits one timeout, not two\n" << r.output;
+  expect_no_backtrace(r.output);
+}
