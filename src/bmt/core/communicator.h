@@ -77,7 +77,7 @@ class Communicator {
   std::shared_ptr<PeerMonitor> peer_monitor() const { return peer_monitor_; }
 
  protected:
-  // " [rank R is dead: ...]" when the peer monitor names a dead rank within a few heartbeats, else "".
+  // " [rank R is dead: ...]" when the peer monitor names a dead rank within one more heartbeat, else "".
   std::string dead_peer_suffix() const;
 
   std::shared_ptr<PeerMonitor> peer_monitor_;
