@@ -12,16 +12,19 @@ BUILD=${1:-}
 if [ -z "$BUILD" ]; then
   for b in build-gpu build-cuda build; do [ -x "$b/examples/train_gpt" ] && { BUILD=$b; break; }; done
 fi
-TRAIN=$PWD/${BUILD:-build}/examples/train_gpt
-BMTRUN=$PWD/${BUILD:-build}/tools/bmtrun
+BUILD=$(cd "${BUILD:-build}" 2>/dev/null && pwd)
+TRAIN=$BUILD/examples/train_gpt
+BMTRUN=$BUILD/tools/bmtrun
 [ -x "$TRAIN" ] || { echo "[fault] FAIL: no train_gpt under '${BUILD:-?}' (build the CUDA configuration first)"; exit 1; }
 export NCCL_NVLS_ENABLE=0 BMT_TIMEOUT_S=${BMT_TIMEOUT_S:-30}
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_USE_AGENT_STORE
 LIMIT=$((BMT_TIMEOUT_S + 10))
-NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+NGPU=${BMT_FAULT_NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 if [ "$NGPU" -lt 2 ]; then echo "[fault] SKIP: needs 2 GPUs, $NGPU visible"; exit 0; fi
 TMP=$(mktemp -d /tmp/bmt_fault_XXXXXX)
-ARGS=(--preset gpt2-124m --steps 20000 --progress lines --log-every 5 --metrics "$TMP/metrics.jsonl")
+# BMT_FAULT_TRAIN_ARGS replaces the model options (e.g. "--preset tiny" for a dry run of this script on CPU ranks).
+read -r -a MODEL_ARGS <<< "${BMT_FAULT_TRAIN_ARGS:---preset gpt2-124m --steps 20000}"
+ARGS=("${MODEL_ARGS[@]}" --progress lines --log-every 5 --metrics "$TMP/metrics.jsonl")
 # Rank 0 names a dead peer itself; a launcher may stop the survivor first and report the dead rank instead.
 NAMES_RANK1='rank 1 is dead'
 LAUNCHER_NAMES_RANK1='rank 1 \(pid [0-9]+\)|rank *: *1 |local_rank: 1'
@@ -48,12 +51,12 @@ run_case() {  # $1 = hand | bmtrun | torchrun, $2 = KILL | STOP
       for r in 0 1; do
         RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
           setsid "$TRAIN" "${ARGS[@]}" > "$log.rank$r" 2>&1 &
-        groups+=($!)
+        groups+=($!); disown $!
       done
       p0=${groups[0]}; p1=${groups[1]};;
     bmtrun)
       setsid "$BMTRUN" --nproc 2 "$TRAIN" "${ARGS[@]}" > "$log.rank0" 2>&1 &
-      groups+=($!);;
+      groups+=($!); disown $!;;
     torchrun)
       if ! python3 -c "import torch.distributed.run" 2>/dev/null; then
         echo "[fault] FAIL torchrun kill -$sig: python3 cannot import torch.distributed.run"
@@ -61,7 +64,7 @@ run_case() {  # $1 = hand | bmtrun | torchrun, $2 = KILL | STOP
       fi
       setsid python3 -m torch.distributed.run --standalone --nproc-per-node 2 --no-python "$TRAIN" "${ARGS[@]}" \
         > "$log.rank0" 2>&1 &
-      groups+=($!);;
+      groups+=($!); disown $!;;
   esac
   # Wait until rank 0 trains (and, with a launcher, both ranks are found).
   local deadline=$(( $(date +%s) + 150 ))
