@@ -8,11 +8,20 @@
 //  - NcclWorld2.ShardedCheckpointSaveAt2LoadAt1AndBack/*: a sharded checkpoint (model, optimizer state, schedule)
 //    saved at world 2 resumes at world 1, is saved again there and resumes at world 2; the losses of the resumed runs
 //    equal the uninterrupted world-2 run's (fp32 tolerance: only reduction orders differ). GPU Adam and offload.
+//  - NcclWorld2Fault.DeadPeerAbortsTheCommunicatorAndWakesABlockedSync/{Kill,Stop}: rank 1 is killed (or stopped)
+//    while rank 0 waits for an all_reduce in a plain cudaStreamSynchronize (as torch's .item() does); the watchdog
+//    aborts the communicator, the synchronise returns, and the next call throws a DistError naming the operation,
+//    the communicator and rank 1, within the timeout (8 s) + 10 s.
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <torch/optim/adamw.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
 
 #include "bmt/checkpoint/sharded_checkpoint.h"
 #include "bmt/core/error.h"
@@ -331,3 +340,76 @@ TEST_P(NcclWorld2Ckpt, ShardedCheckpointSaveAt2LoadAt1AndBack) {
 }
 INSTANTIATE_TEST_SUITE_P(Optimizer, NcclWorld2Ckpt, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "Offload" : "Adam"; });
+
+namespace {
+
+std::string status_of(const bmt::testing::RankRunReport& report, int r) {
+  std::string head = "rank " + std::to_string(r) + " of " + std::to_string(kWorld) + " failed (";
+  auto pos = report.summary.find(head);
+  if (pos == std::string::npos) return "ok";
+  pos += head.size();
+  return report.summary.substr(pos, report.summary.find_first_of(";,)", pos) - pos);
+}
+
+}  // namespace
+
+class NcclWorld2Fault : public ::testing::TestWithParam<int> {};
+
+TEST_P(NcclWorld2Fault, DeadPeerAbortsTheCommunicatorAndWakesABlockedSync) {
+  BMT_NEED_TWO_GPUS();
+  const int sig = GetParam();
+  constexpr int kTimeoutS = 8;
+  bmt::InitOptions init = nccl_init();
+  init.timeout = std::chrono::seconds(kTimeoutS);
+  bmt::testing::RankRunOptions run;
+  run.kill_on_first_failure = false;
+  run.expect_failure = true;
+  run.wall_timeout = std::chrono::seconds(120);
+  auto report = bmt::testing::run_ranks(kWorld, [sig] {
+    using Clock = std::chrono::steady_clock;
+    auto& cfg = bmt::config();
+    auto& c = *cfg.comm;
+    if (bmt::rank() == 1) {
+      std::string pid = std::to_string(getpid());
+      cfg.store->set("test/rank1_pid", std::vector<uint8_t>(pid.begin(), pid.end()));
+    }
+    c.barrier();
+    at::Tensor x = at::ones({1 << 20}, at::TensorOptions().device(cfg.device));
+    if (bmt::rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 0 waits in its all_reduce by now
+      raise(sig);
+      std::this_thread::sleep_for(std::chrono::hours(1));
+    }
+    auto t0 = Clock::now();
+    auto since = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+    c.all_reduce(x.data_ptr(), x.data_ptr(), x.numel(), DType::kFloat32, ReduceOp::kSum, current());
+    cudaError_t sync = cudaStreamSynchronize(current());  // a plain blocking wait: only an abort ends it
+    std::printf("rank 0: the blocked synchronise returned after %.2f s (%s)\n", since(), cudaGetErrorString(sync));
+    int code = 44;  // no error raised
+    try {
+      for (int i = 0; i < 3; ++i) {
+        c.all_reduce(x.data_ptr(), x.data_ptr(), x.numel(), DType::kFloat32, ReduceOp::kSum, current());
+        c.synchronize(current());
+      }
+    } catch (const bmt::core::DistError& e) {
+      const std::string m = e.what();
+      std::printf("rank 0: DistError after %.2f s: %s\n", since(), m.c_str());
+      code = 42;
+      for (const char* part : {"all_reduce", "'world'", "rank 1 is dead"})
+        if (m.find(part) == std::string::npos) {
+          std::printf("rank 0: the message lacks '%s'\n", part);
+          code = 43;
+        }
+      if (code == 42 && since() > kTimeoutS + 10.0) code = 45;
+    }
+    auto pid = cfg.store->get("test/rank1_pid");
+    kill(std::atoi(std::string(pid.begin(), pid.end()).c_str()), SIGKILL);  // a stopped rank would linger
+    std::fflush(stdout);
+    std::_Exit(code);
+  }, init, run);
+  if (bmt::testing::in_rank_process()) return;
+  EXPECT_EQ(status_of(report, 0), "exit code 42") << report.summary;
+  EXPECT_EQ(status_of(report, 1), "signal Killed") << report.summary;
+}
+INSTANTIATE_TEST_SUITE_P(Signals, NcclWorld2Fault, ::testing::Values(SIGKILL, SIGSTOP),
+                         [](const ::testing::TestParamInfo<int>& i) { return i.param == SIGKILL ? "Kill" : "Stop"; });
