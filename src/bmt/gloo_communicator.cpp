@@ -88,7 +88,7 @@ GlooCommunicator::~GlooCommunicator() = default;
                                          " of ", size_, ") failed or timed out after ", timeout_.count(),     \
                                          " ms: ", describe(e),                                               \
                                          ". A peer rank probably died or stalled (see the launcher's "       \
-                                         "report).", dead_peer_suffix()));                                                       \
+                                         "report).", dead_peer_suffix()));                                  \
     }                                                                                                        \
   } while (false)
 
