@@ -88,7 +88,7 @@ GlooCommunicator::~GlooCommunicator() = default;
                                          " of ", size_, ") failed or timed out after ", timeout_.count(),     \
                                          " ms: ", describe(e),                                               \
                                          ". A peer rank probably died or stalled (see the launcher's "       \
-                                         "report)."));                                                       \
+                                         "report).", dead_peer_suffix()));                                  \
     }                                                                                                        \
   } while (false)
 
@@ -181,8 +181,10 @@ std::unique_ptr<core::Communicator> GlooCommunicator::split(int color, int key, 
   for (size_t i = 0; i < members.size(); ++i)
     if (members[i].second == rank_) new_rank = static_cast<int>(i);
   std::string group_name = core::concat(name_, "/", split_count_++, "/", name, "/", color);
-  return std::make_unique<GlooCommunicator>(store_, new_rank, static_cast<int>(members.size()), timeout_,
-                                            group_name, hostname_);
+  auto child = std::make_unique<GlooCommunicator>(store_, new_rank, static_cast<int>(members.size()), timeout_,
+                                                  group_name, hostname_);
+  child->set_peer_monitor(peer_monitor_);
+  return child;
 }
 
 }  // namespace bmt

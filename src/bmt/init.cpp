@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -55,6 +56,22 @@ std::unique_ptr<core::Communicator> make_world(Backend backend, const c10::intru
   (void)core_store;
   BMT_ASSERT(false, "NCCL requested in a CPU-only build");
 #endif
+}
+
+// One heartbeat per rank on its own store connection; a rank silent for the timeout (or
+// BMT_HEARTBEAT_TIMEOUT_S) is dead. BMT_HEARTBEAT=0 turns it off.
+std::shared_ptr<core::PeerMonitor> make_peer_monitor(const LaunchEnv& env, std::chrono::milliseconds timeout) {
+  if (env.world_size == 1) return nullptr;
+  if (const char* h = std::getenv("BMT_HEARTBEAT"); h && std::string(h) == "0") return nullptr;
+  core::PeerMonitorOptions o;
+  o.stale_ms = timeout.count();
+  if (const char* t = std::getenv("BMT_HEARTBEAT_TIMEOUT_S")) o.stale_ms = std::atoll(t) * 1000;
+  BMT_CHECK(o.stale_ms >= 2000, "BMT_HEARTBEAT_TIMEOUT_S must be at least 2 s (got ", o.stale_ms, " ms)");
+  o.interval_ms = std::min<int64_t>(1000, o.stale_ms / 4);
+  auto c10_store = connect_tcp_store(env.master_addr, env.master_port, env.rank, env.world_size, env.use_agent_store,
+                                     env.restart_count, timeout, /*client_only=*/true);
+  auto store = std::make_shared<TorchStore>(c10::make_intrusive<c10d::PrefixStore>("bmtrain", c10_store));
+  return std::make_shared<core::PeerMonitor>(store, "bmt/heartbeat", env.rank, env.world_size, o);
 }
 
 }  // namespace
@@ -139,6 +156,9 @@ void init_distributed(const InitOptions& options_in) {
   cfg.store = core_store;
 
   std::shared_ptr<core::Communicator> world_comm = make_world(backend, bmt_store, *core_store, env, options.timeout);
+  // After the world is up (every rank is alive), before the splits (they inherit it).
+  cfg.peer_monitor = make_peer_monitor(env, options.timeout);
+  world_comm->set_peer_monitor(cfg.peer_monitor);
   const int tp = options.tp_size, pp = options.pipe_size;
   const int stage_size = world / pp;
   const int stage_id = env.rank / stage_size;
@@ -208,6 +228,7 @@ void finalize(bool barrier) {
   old.tp_comm.reset();
   old.zero_comm.reset();
   old.comm.reset();
+  old.peer_monitor.reset();  // says goodbye: peers stop watching this rank
   old.store.reset();
 }
 

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "bmt/core/communicator.h"
+#include "bmt/core/peer_monitor.h"
 #include "bmt/core/store.h"
 
 namespace bmt {
@@ -61,6 +62,9 @@ struct Config {
 
   std::shared_ptr<core::Communicator> comm, zero_comm, tp_comm, tp_zero_comm, pipe_comm;
   std::shared_ptr<core::Store> store;
+  // Heartbeats through the store (own connection): names a dead or stopped rank; the NCCL watchdog aborts on it.
+  // Null at world size 1 or with BMT_HEARTBEAT=0.
+  std::shared_ptr<core::PeerMonitor> peer_monitor;
 
   // CUDA only: calc_stream = the current stream at init; load_stream (high priority) carries ZeRO gathers and
   // reduce-scatters; tp_comm_stream tensor-parallel collectives. Unset on CPU.

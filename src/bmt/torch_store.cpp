@@ -36,11 +36,11 @@ int64_t TorchStore::add(const std::string& key, int64_t delta) { return store_->
 
 c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int port, int rank, int world_size,
                                                   bool use_agent_store, int restart_count,
-                                                  std::chrono::milliseconds timeout) {
+                                                  std::chrono::milliseconds timeout, bool client_only) {
   BMT_CHECK(port > 0 && port < 65536, "MASTER_PORT ", port, " is not a valid TCP port (1..65535)");
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<uint16_t>(port);
-  opts.isServer = !use_agent_store && rank == 0;
+  opts.isServer = !client_only && !use_agent_store && rank == 0;
   opts.numWorkers = world_size;
   opts.waitWorkers = false;
   opts.timeout = timeout;

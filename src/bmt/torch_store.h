@@ -24,9 +24,10 @@ class TorchStore final : public core::Store {
 
 // Connects to (or, when is_server, hosts) the rendezvous TCPStore at host:port.
 // With use_agent_store (torchrun's TORCHELASTIC_USE_AGENT_STORE) every rank is a client of the agent's store,
-// under torchrun's "/worker/attempt_<restart_count>" prefix.
+// under torchrun's "/worker/attempt_<restart_count>" prefix. `client_only` makes a second connection to a store
+// that is already up (the heartbeat's own, so that it never waits behind a blocking get of the main thread).
 c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int port, int rank, int world_size,
                                                   bool use_agent_store, int restart_count,
-                                                  std::chrono::milliseconds timeout);
+                                                  std::chrono::milliseconds timeout, bool client_only = false);
 
 }  // namespace bmt

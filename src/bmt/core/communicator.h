@@ -18,6 +18,8 @@
 
 namespace bmt::core {
 
+class PeerMonitor;
+
 enum class ReduceOp { kSum, kAvg, kMax, kMin, kProd };
 const char* reduce_op_name(ReduceOp op);
 
@@ -66,9 +68,19 @@ class Communicator {
   virtual void check_async_error() {}
 
   // Collective over this communicator: ranks with the same color form a new communicator, ordered by key.
+  // The new communicator shares this one's peer monitor.
   virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
 
+  // The job's heartbeat monitor (init_distributed sets it on the world communicator before any split): a
+  // DistError names the dead rank it saw; the NCCL watchdog also aborts the communicator on its verdict.
+  virtual void set_peer_monitor(std::shared_ptr<PeerMonitor> monitor) { peer_monitor_ = std::move(monitor); }
+  std::shared_ptr<PeerMonitor> peer_monitor() const { return peer_monitor_; }
+
  protected:
+  // " [rank R is dead: ...]" when the peer monitor names a dead rank within one more heartbeat, else "".
+  std::string dead_peer_suffix() const;
+
+  std::shared_ptr<PeerMonitor> peer_monitor_;
   // Common argument validation; throws Error naming the op and the offending value.
   void check_peer(const char* op, int peer) const;
   void check_root(const char* op, int root) const;

@@ -1,16 +1,20 @@
 // NcclCommunicator: the GPU implementation of Communicator over NCCL (CUDA builds only).
 // Owns its ncclComm_t (destroyed in the destructor, aborted on error); owns no stream: every call enqueues on
 // the stream it is given and returns at once. The communicator is created non-blocking so that init, split and
-// every host-side wait can be bounded by the timeout and aborted; asynchronous errors (a dead peer, a network
-// failure) are polled with ncclCommGetAsyncError and reported as DistError naming the operation and the ranks.
+// every host-side wait can be bounded by the timeout and aborted. Its NcclWatchdog thread aborts it when an
+// enqueued operation outlives the timeout, NCCL reports an asynchronous error, or the peer monitor sees a rank
+// die; the next call then throws DistError naming the operation, the communicator and the dead rank.
 #pragma once
 
 #include <nccl.h>
 
 #include <memory>
+#include <utility>
+#include <vector>
 #include <string>
 
 #include "bmt/core/communicator.h"
+#include "bmt/core/nccl_watchdog.h"
 #include "bmt/core/store.h"
 
 namespace bmt::core {
@@ -43,22 +47,33 @@ class NcclCommunicator final : public Communicator {
   void synchronize(StreamHandle stream) override;
   void check_async_error() override;
   std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override;
+  void set_peer_monitor(std::shared_ptr<PeerMonitor> monitor) override;
 
-  ncclComm_t raw() const { return comm_; }
+  // The raw handle, for tests; null once aborted.
+  ncclComm_t raw() const;
+  bool aborted() const;
 
  private:
-  NcclCommunicator(ncclComm_t comm, int rank, int size, int64_t timeout_ms, std::string name);
+  NcclCommunicator(ncclComm_t comm, int rank, int size, int64_t timeout_ms, std::string name,
+                   std::shared_ptr<PeerMonitor> monitor);
+  // Runs `launch(comm)` under the state's lock (unless aborted), waits (bounded) until the non-blocking call is
+  // enqueued, and lets the watchdog time the work it put on `stream`.
+  template <typename Launch>
+  void enqueue(const char* op, StreamHandle stream, Launch&& launch);
   // Waits (bounded by the timeout) until a non-blocking NCCL call has been enqueued or failed.
   void wait_enqueued(const char* op, ncclResult_t launched);
+  // Throws the recorded abort reason if the watchdog aborted the communicator.
+  void throw_if_aborted(const char* op);
   [[noreturn]] void fail(const char* op, const std::string& why);
 
-  ncclComm_t comm_ = nullptr;
+  std::shared_ptr<NcclCommState> state_;
+  std::unique_ptr<NcclWatchdog> watchdog_;
   int rank_ = 0;
   int size_ = 1;
   int64_t timeout_ms_ = 0;
   std::string name_;
   int group_depth_ = 0;
-  bool aborted_ = false;
+  std::vector<std::pair<const char*, StreamHandle>> group_ops_;  // tracked at group_end
 };
 
 }  // namespace bmt::core
