@@ -5,6 +5,8 @@
 //   * with the plain AdamOptimizer (same state dict, same CPU kernel): bit-identical;
 //   * at world size 1: within fp32 tolerance (reduction orders differ).
 // The uninterrupted asynchronous run itself must equal a synchronous plain-Adam run bit for bit.
+#include "bmt/checkpoint/consolidated.h"
+#include "bmt/checkpoint/tensor_file.h"
 #include "bmt/pending_update.h"
 #include "ckpt_test_util.h"
 #include "gated_pool.h"
