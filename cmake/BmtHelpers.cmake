@@ -5,10 +5,10 @@ function(bmt_set_warnings target)
   endif()
 endfunction()
 
-# bmt_add_test(NAME name SOURCES a.cpp ... LABELS cpu|multirank|cuda [TIMEOUT s])
+# bmt_add_test(NAME name SOURCES a.cpp ... LABELS cpu|multirank|cuda [TIMEOUT s] [PROCESSORS n] [RUN_SERIAL])
 # One gtest binary; each TEST becomes a CTest test carrying the labels.
 function(bmt_add_test)
-  cmake_parse_arguments(T "" "NAME;TIMEOUT" "SOURCES;LABELS" ${ARGN})
+  cmake_parse_arguments(T "RUN_SERIAL" "NAME;TIMEOUT;PROCESSORS" "SOURCES;LABELS" ${ARGN})
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
@@ -22,6 +22,14 @@ function(bmt_add_test)
   bmt_set_warnings(${T_NAME})
   # gtest_discover_tests flattens list-valued properties (and the pairs after them): one label per binary.
   list(GET T_LABELS 0 _label)
-  gtest_discover_tests(${T_NAME} PROPERTIES LABELS ${_label} TIMEOUT ${T_TIMEOUT}
-                       DISCOVERY_TIMEOUT 120)
+  # PROCESSORS: the most ranks one test of the binary starts (ctest -j counts each rank as a job slot; CTest runs
+  # a test whose PROCESSORS exceed -j alone). RUN_SERIAL: tests that measure time.
+  set(_props LABELS ${_label} TIMEOUT ${T_TIMEOUT})
+  if(T_PROCESSORS)
+    list(APPEND _props PROCESSORS ${T_PROCESSORS})
+  endif()
+  if(T_RUN_SERIAL)
+    list(APPEND _props RUN_SERIAL TRUE)
+  endif()
+  gtest_discover_tests(${T_NAME} PROPERTIES ${_props} DISCOVERY_TIMEOUT 120)
 endfunction()

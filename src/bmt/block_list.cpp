@@ -15,7 +15,8 @@ TransformerBlockList::TransformerBlockList(std::vector<std::shared_ptr<Block>> b
     BMT_CHECK(seen.insert(blocks_[i].get()).second, "TransformerBlockList: block ", i,
               " appears twice; each Block may occur once in a list");
     register_module(std::to_string(i), blocks_[i]->module());
-    blocks_[i]->prev_in_list_ = i > 0 ? blocks_[i - 1].get() : nullptr;
+    // The backward prefetches the previous block (two blocks gathered at once); prefetch_depth 0 means none.
+    blocks_[i]->prev_in_list_ = i > 0 && prefetch_depth_ > 0 ? blocks_[i - 1].get() : nullptr;
   }
 }
 

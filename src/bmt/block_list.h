@@ -1,9 +1,9 @@
 // TransformerBlockList: runs Blocks in sequence with parameter prefetch.
 // Forward: before block i runs, blocks i+1..i+depth start their all_gather (on the comm stream on GPUs), so at
-// most depth+1 blocks hold gathered parameters at once. Backward: block i, once its own parameters are
-// gathered, prefetches block i-1's; its gradient reduce-scatter is queued on the comm stream and overlaps
-// block i-1's backward on GPUs. The inner modules are registered as children "0", "1", ... so state_dict keys
-// are those of an unwrapped ModuleList.
+// most depth+1 blocks hold gathered parameters at once. Backward (depth >= 1; depth 0 prefetches nothing): block
+// i, once its own parameters are gathered, prefetches block i-1's; its gradient reduce-scatter is queued on the
+// comm stream and overlaps block i-1's backward on GPUs. The inner modules are registered as children "0", "1",
+// ... so state_dict keys are those of an unwrapped ModuleList.
 #pragma once
 
 #include <torch/nn/module.h>

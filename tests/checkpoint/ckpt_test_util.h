@@ -15,6 +15,7 @@
 #include "bmt/checkpoint/sharded_checkpoint.h"
 #include "bmt/distributed.h"
 #include "bmt/optim/adam.h"
+#include "bmt/optim/adam_offload.h"
 #include "bmt/optim/lr_scheduler.h"
 #include "bmt/optim/optim_manager.h"
 #include "bmt/state_dict.h"
@@ -52,22 +53,40 @@ inline at::Tensor batch_tokens(int step) {
   return at::randint(0, 16, {kGlobalBatch, kSeq + 1}, g, at::TensorOptions().dtype(at::kLong));
 }
 
+// How a Trainer trains: the plain or the offloaded Adam (optionally with its asynchronous step), loss scaling.
+struct TrainerOptions {
+  bool offload = false;     // AdamOffloadOptimizer instead of AdamOptimizer (the same CPU kernel: same results)
+  bool async_step = false;  // AdamOffloadOptimizer::set_async_step(true): Block updates still run after step()
+  double loss_scale = 0;    // OptimManager loss scaling (0: off)
+  int64_t loss_scale_steps = 2;  // grow the scale every 2 good steps, so its state changes during a short run
+};
+
 struct Trainer {
   tiny::Dims dims;
   std::unique_ptr<tiny::Model> model;
-  std::shared_ptr<bmt::optim::AdamOptimizer> adam;
+  std::shared_ptr<bmt::optim::AdamBase> adam;
   std::shared_ptr<bmt::optim::lr_scheduler::Cosine> sched;
   std::unique_ptr<bmt::optim::OptimManager> manager;
 
-  Trainer(int zero_level, bool use_list, tiny::Dims d = {}) : dims(d) {
+  Trainer(int zero_level, bool use_list, tiny::Dims d = {}, TrainerOptions o = {}) : dims(d) {
     bmt::BlockOptions opts;
     opts.zero_level = zero_level;
     model = std::make_unique<tiny::Model>(dims, opts, use_list);
     at::manual_seed(kSeed);
     bmt::init_parameters(*model);
-    adam = std::make_shared<bmt::optim::AdamOptimizer>(model->parameters(), bmt::optim::AdamOptions(2e-2));
+    const bmt::optim::AdamOptions adam_opts(2e-2);
+    if (o.offload) {
+      auto off = std::make_shared<bmt::optim::AdamOffloadOptimizer>(model->parameters(), adam_opts);
+      off->set_async_step(o.async_step);
+      adam = off;
+    } else {
+      adam = std::make_shared<bmt::optim::AdamOptimizer>(model->parameters(), adam_opts);
+    }
     sched = std::make_shared<bmt::optim::lr_scheduler::Cosine>(adam, 2e-2, 2, 12);
-    manager = std::make_unique<bmt::optim::OptimManager>();
+    bmt::optim::OptimManagerOptions mo;
+    mo.loss_scale = o.loss_scale;
+    mo.loss_scale_steps = o.loss_scale_steps;
+    manager = std::make_unique<bmt::optim::OptimManager>(mo);
     manager->add_optimizer(adam, sched);
   }
 
@@ -79,8 +98,10 @@ struct Trainer {
     return s;
   }
 
-  // One update on global batch `step`; returns the global mean loss.
-  double step(int step) {
+  // One update on global batch `step`; returns the global mean loss. Without zero_grad_after, the gradients are
+  // left for the caller to zero (an asynchronous offloaded step may then still be updating the Blocks: on CPU
+  // parameters zero_grad waits for it).
+  double step(int step, bool zero_grad_after = true) {
     const auto& cfg = bmt::config();
     const int64_t per_rank = kGlobalBatch / cfg.world_size;
     at::Tensor tok = batch_tokens(step).narrow(0, cfg.rank * per_rank, per_rank);
@@ -88,7 +109,7 @@ struct Trainer {
     at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, dims.vocab}), tok.narrow(1, 1, kSeq).reshape({-1}));
     manager->backward(loss);
     manager->step();
-    manager->zero_grad();
+    if (zero_grad_after) manager->zero_grad();
     return bmt::sum_loss(loss.detach()).item<double>();
   }
 };

@@ -84,16 +84,19 @@ int check(const std::string& path) {
   return bad == 0 ? 0 : 1;
 }
 
+// A free port, kept bound (SO_REUSEADDR, not listening) for the life of this process so that no parallel job is
+// handed it before our own rendezvous store binds it (the store sets SO_REUSEADDR too).
 int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int on = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
   bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   socklen_t len = sizeof(addr);
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
+  return ntohs(addr.sin_port);  // fd intentionally left open
 }
 
 int write_all(const std::string& dir) {

@@ -61,8 +61,8 @@ int64_t checked_version(const std::string& ckpt) {
   return v;
 }
 
-pid_t spawn_writer(const std::string& dir, const char* mode, int64_t base) {
-  const int port = bmt::testing::free_port();
+// `port` stays reserved by the caller until the writer has exited.
+pid_t spawn_writer(const std::string& dir, const char* mode, int64_t base, int port) {
   pid_t pid = fork();
   if (pid == 0) {
     setenv("BMT_CKPT_CRASH_DIR", dir.c_str(), 1);
@@ -96,7 +96,8 @@ TEST(CheckpointCrash, KilledWriterLeavesLoadableCheckpoint) {
   for (const char* mode : {"exchange", "rename"}) {
     for (int round = 0; round < 10; ++round) {
       const int64_t base = (last + 1000) / 1000 * 1000 + 1000;
-      pid_t pid = spawn_writer(dir.path, mode, base);
+      const bmt::testing::PortReservation port;
+      pid_t pid = spawn_writer(dir.path, mode, base, port.port());
       // The first round waits until one checkpoint exists; later ones until the writer starts saving.
       const std::string marker = dir / ((last < 0 ? "saved-" : "alive-") + std::to_string(base));
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);

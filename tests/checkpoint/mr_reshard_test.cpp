@@ -2,7 +2,9 @@
 // resume at world sizes 4, 2, 1 and 3 with ZeRO-2/3, with and without the block list. The next 3 losses and the
 // final parameters must equal the uninterrupted run's: bit-identical at the same world size and ZeRO level, within
 // fp32 tolerance otherwise (only reduction orders differ). Model, Adam moments and fp32 state, LR schedule and
-// loss-scaler state all go through the checkpoint.
+// loss-scaler state all go through the checkpoint: the trainer runs with dynamic loss scaling (initial 1024,
+// doubled every 2 good steps), and the resumed scale and good-step count must be the saved ones (losses alone
+// cannot show it: power-of-two scales do not change fp32 results).
 #include "bmt/checkpoint/checkpoint_reader.h"
 #include "bmt/checkpoint/consolidated.h"
 #include "bmt/checkpoint/export.h"
@@ -16,10 +18,21 @@ namespace {
 
 constexpr int kBefore = 3, kAfter = 3;
 
+TrainerOptions scaled() {
+  TrainerOptions o;
+  o.loss_scale = 1024;
+  o.loss_scale_steps = 2;
+  return o;
+}
+
 void resume_and_compare(const SharedDir& dir, int zero, bool list, bool exact) {
-  Trainer t(zero, list);
+  Trainer t(zero, list, {}, scaled());
   // A perturbation that the load must overwrite completely.
   t.step(100);
+  // Saved scaler state: {scale, good steps} at the save, then after the kAfter more steps.
+  std::vector<double> scaler = read_doubles(dir / "scaler.txt");
+  ASSERT_EQ(scaler.size(), 4u);
+  ASSERT_NE(t.manager->loss_scale(), scaler[0]) << "the perturbation should leave another scale than the saved one";
   ck::TrainingState st = t.state(0);
   ck::LoadInfo info = ck::load(dir / "ckpt", st);
   EXPECT_EQ(info.step, kBefore);
@@ -28,6 +41,9 @@ void resume_and_compare(const SharedDir& dir, int zero, bool list, bool exact) {
   EXPECT_EQ(info.user_metadata.at("run"), "reshard");
   EXPECT_EQ(info.rng_restored, bmt::world_size() == 4);
   EXPECT_EQ(t.sched->num_iter(), kBefore);
+  EXPECT_TRUE(t.manager->loss_scale_enabled());
+  EXPECT_EQ(t.manager->loss_scale(), scaler[0]) << "loss scale not restored";
+  EXPECT_EQ(t.manager->steps_since_last_scale(), static_cast<int64_t>(scaler[1])) << "good-step count not restored";
   std::vector<double> ref = read_doubles(dir / "losses.txt");
   ASSERT_EQ(ref.size(), static_cast<size_t>(kAfter));
   for (int s = 0; s < kAfter; ++s) {
@@ -35,6 +51,8 @@ void resume_and_compare(const SharedDir& dir, int zero, bool list, bool exact) {
     if (exact) EXPECT_EQ(loss, ref[s]) << "step " << s << " world " << bmt::world_size();
     else EXPECT_NEAR(loss, ref[s], 2e-5 * std::abs(ref[s])) << "step " << s << " world " << bmt::world_size();
   }
+  EXPECT_EQ(t.manager->loss_scale(), scaler[2]) << "the scale evolved differently after the resume";
+  EXPECT_EQ(t.manager->steps_since_last_scale(), static_cast<int64_t>(scaler[3]));
   bmt::StateDict sd = bmt::state_dict(*t.model);
   auto final_ref = ck::open_tensor_file(dir / "final.safetensors");
   for (size_t i = 0; i < final_ref->tensors().size(); ++i) {
@@ -52,15 +70,20 @@ void resume_and_compare(const SharedDir& dir, int zero, bool list, bool exact) {
 TEST(ShardedCheckpoint, ResumeAtOtherWorldSizesAndZeroLevels) {
   SharedDir dir("reshard");
   bmt::testing::run_ranks(4, [&] {
-    Trainer t(3, true);
+    Trainer t(3, true, {}, scaled());
     for (int s = 0; s < kBefore; ++s) t.step(s);
     ck::TrainingState st = t.state(kBefore);
     st.user_metadata = {{"run", "reshard"}};
     ck::SaveStats stats = ck::save(dir / "ckpt", st).wait();
     EXPECT_GT(stats.total_nbytes, 0);
+    std::vector<double> scaler{t.manager->loss_scale(), static_cast<double>(t.manager->steps_since_last_scale())};
+    EXPECT_GT(scaler[0], 1024) << "the scale should have grown before the save";
     std::vector<double> losses;
     for (int s = 0; s < kAfter; ++s) losses.push_back(t.step(kBefore + s));
+    scaler.push_back(t.manager->loss_scale());
+    scaler.push_back(static_cast<double>(t.manager->steps_since_last_scale()));
     if (bmt::rank() == 0) write_doubles(dir / "losses.txt", losses);
+    if (bmt::rank() == 0) write_doubles(dir / "scaler.txt", scaler);
     bmt::save(*t.model, dir / "final.safetensors");
   });
   // Same world size and ZeRO level: bit-identical.

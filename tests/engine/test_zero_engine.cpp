@@ -1,11 +1,12 @@
 // ZeRO engine equivalence: the tiny model trained with sharded parameters (world 1-4, ZeRO-2/3, checkpointing
-// on/off, with/without TransformerBlockList, gradient accumulation 1/3) gives the same losses and parameters
-// as the unsharded model in plain LibTorch. fp32 tolerance: 2e-5 relative on losses, 1e-5 absolute on
+// on/off, with/without TransformerBlockList, gradient accumulation 1/3, reduce_op kSum and kAvg) gives the same
+// losses and parameters as the unsharded model in plain LibTorch (bf16: test_zero_bf16.cpp). fp32 tolerance: 2e-5 relative on losses, 1e-5 absolute on
 // parameters (different summation orders only).
 #include <gtest/gtest.h>
 
 #include "bmt/distributed.h"
 #include "bmt/memory_stats.h"
+#include "bmt/optim/adam.h"
 #include "bmt/param_registry.h"
 #include "bmt/state_dict.h"
 #include "run_ranks.h"
@@ -24,6 +25,7 @@ struct Config {
   int zero;
   bool ckpt, list;
   int accum;
+  bool avg = false;  // BlockOptions::reduce_op = kAvg
 };
 
 at::Tensor batch_tokens(int step) {
@@ -64,6 +66,7 @@ void run_config(const Config& c, const std::vector<double>& ref_losses, std::map
   bmt::BlockOptions opts;
   opts.zero_level = c.zero;
   opts.use_checkpoint = c.ckpt;
+  if (c.avg) opts.reduce_op = bmt::core::ReduceOp::kAvg;
   tiny::Model model(d, opts, c.list);
   at::manual_seed(kSeed);
   bmt::init_parameters(model);
@@ -80,16 +83,20 @@ void run_config(const Config& c, const std::vector<double>& ref_losses, std::map
       at::Tensor logits = model.forward(mine.narrow(1, 0, kSeq));
       at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, d.vocab}), mine.narrow(1, 1, kSeq).reshape({-1}));
       at::Tensor scaled = loss / (W * c.accum);
-      scaled.backward();
+      // kAvg: the Blocks' reduction divides by W, so the loss is divided by the accumulation count only.
+      (c.avg ? loss / c.accum : scaled).backward();
       step_loss += bmt::distributed::all_reduce(scaled.detach(), bmt::core::ReduceOp::kSum, *cfg.comm).item<double>();
     }
     EXPECT_NEAR(step_loss, ref_losses[s], 2e-5 * std::abs(ref_losses[s]))
-        << "step " << s << " zero " << c.zero << " ckpt " << c.ckpt << " list " << c.list << " accum " << c.accum;
+        << "step " << s << " zero " << c.zero << " ckpt " << c.ckpt << " list " << c.list << " accum " << c.accum
+        << " avg " << c.avg;
     at::NoGradGuard ng;
     for (auto& p : model.parameters()) {
       at::Tensor g = bmt::main_grad(p);
       ASSERT_TRUE(g.defined());
-      p.sub_(kLr * g);
+      // reduce_op is a Block option: outside Blocks gradients are summed over ranks, hence 1/W under kAvg.
+      const bool outside = bmt::meta_of(p).block == nullptr;
+      p.sub_((c.avg && outside ? kLr / W : kLr) * g);
       g.zero_();
     }
     auto sd = bmt::state_dict(model);  // parameters after every step, not only at the end
@@ -101,7 +108,8 @@ void run_config(const Config& c, const std::vector<double>& ref_losses, std::map
   for (auto& kv : ref_params) {
     ASSERT_TRUE(sd.count(kv.first)) << kv.first;
     EXPECT_LT((sd[kv.first] - kv.second.detach()).abs().max().item<double>(), 1e-5)
-        << kv.first << " zero " << c.zero << " ckpt " << c.ckpt << " list " << c.list << " accum " << c.accum;
+        << kv.first << " zero " << c.zero << " ckpt " << c.ckpt << " list " << c.list << " accum " << c.accum
+        << " avg " << c.avg;
   }
 }
 
@@ -111,6 +119,8 @@ std::vector<Config> all_configs() {
     for (bool ckpt : {true, false})
       for (bool list : {true, false})
         for (int accum : {1, 3}) out.push_back({zero, ckpt, list, accum});
+  for (int zero : {2, 3})
+    for (bool ckpt : {true, false}) out.push_back({zero, ckpt, true, 3, /*avg=*/true});
   return out;
 }
 
@@ -274,6 +284,17 @@ TEST(ZeroEngine, InferenceAndFrozenParameters) {
     for (auto& p : fc1->parameters()) gsum += bmt::main_grad(p).abs().sum().item<double>();
     gsum = bmt::distributed::all_reduce(at::tensor({gsum}), bmt::core::ReduceOp::kSum, *bmt::config().comm).item<double>();
     EXPECT_GT(gsum, 0.0);
+    // An optimizer step over every parameter leaves the frozen one bit-identical and moves the others.
+    auto before = bmt::state_dict(model);
+    bmt::optim::AdamOptimizer opt(model.parameters(), bmt::optim::AdamOptions(1e-2));
+    opt.step(1.0);
+    auto after = bmt::state_dict(model);
+    EXPECT_TRUE(at::equal(after["embed.weight"], before["embed.weight"])) << "a frozen parameter changed";
+    EXPECT_FALSE(bmt::main_grad(model.embed->weight).defined() &&
+                 bmt::main_grad(model.embed->weight).abs().sum().item<double>() > 0)
+        << "a frozen parameter received a gradient";
+    for (const char* key : {"layers.0.fc1.weight", "layers.2.fc2.bias", "ln_f.weight"})
+      EXPECT_FALSE(at::equal(after[key], before[key])) << key << " did not take the step";
   });
 }
 

@@ -13,13 +13,14 @@ namespace tiny {
 
 struct Dims {
   int64_t vocab = 16, dim = 8, ff = 16, layers = 3;
+  at::ScalarType dtype = at::kFloat;  // of every parameter (bf16: fp32 main gradients, BlockOptions::reduce_dtype)
 };
 
 struct MlpLayerImpl : torch::nn::Module {
   MlpLayerImpl(const Dims& d)
-      : ln(register_module("ln", bmt::nn::LayerNorm(d.dim))),
-        fc1(register_module("fc1", bmt::nn::Linear(d.dim, d.ff))),
-        fc2(register_module("fc2", bmt::nn::Linear(d.ff, d.dim))) {}
+      : ln(register_module("ln", bmt::nn::LayerNorm(d.dim, 1e-5, d.dtype))),
+        fc1(register_module("fc1", bmt::nn::Linear(d.dim, d.ff, true, d.dtype))),
+        fc2(register_module("fc2", bmt::nn::Linear(d.ff, d.dim, true, d.dtype))) {}
   at::Tensor forward(const at::Tensor& x) { return x + fc2->forward(at::gelu(fc1->forward(ln->forward(x)), "tanh")); }
   bmt::nn::LayerNorm ln;
   bmt::nn::Linear fc1, fc2;
@@ -30,7 +31,7 @@ struct Container : torch::nn::Module {};
 
 struct Model : torch::nn::Module {
   Model(const Dims& d, bmt::BlockOptions opts, bool use_list, int prefetch_depth = 1) {
-    embed = register_module("embed", bmt::nn::Embedding(d.vocab, d.dim));
+    embed = register_module("embed", bmt::nn::Embedding(d.vocab, d.dim, d.dtype));
     std::vector<std::shared_ptr<bmt::Block>> blocks;
     std::vector<MlpLayer> inner;
     for (int64_t i = 0; i < d.layers; ++i) {
@@ -45,7 +46,7 @@ struct Model : torch::nn::Module {
       register_module("layers", c);
       plain_blocks = blocks;
     }
-    ln_f = register_module("ln_f", bmt::nn::LayerNorm(d.dim));
+    ln_f = register_module("ln_f", bmt::nn::LayerNorm(d.dim, 1e-5, d.dtype));
   }
   at::Tensor forward(const at::Tensor& ids) {
     at::Tensor E = bmt::gathered(embed->weight);  // gathered once, used twice (tied)

@@ -5,7 +5,9 @@
 // initialisation and compares: losses and norms within 2e-5 relative, every tp-replicated parameter bit-identical
 // over the tp ranks, state_dict keys equal and values within 1e-5, the same greedy tokens. Sequence lengths make
 // some batches' B·T rows odd, so the padding of sequence-parallel rows is exercised (generation too).
-// Bad tp sizes fail with errors naming the layer and the sizes. Label multirank.
+// Llama runs (tp 1 and tp 2) also check their first step's loss and gradient norm against the independent
+// plain-LibTorch Llama (llama_reference.h) on the whole global batch, so the chain does not rest on the library at
+// tp 1 alone. Bad tp sizes fail with errors naming the layer and the sizes. Label multirank.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -22,6 +24,7 @@
 #include "bmt/optim/state_dict.h"
 #include "bmt/parameter.h"
 #include "bmt/state_dict.h"
+#include "llama_reference.h"
 #include "models/language_model.h"
 #include "run_ranks.h"
 #include "train/generate.h"
@@ -105,6 +108,22 @@ bmt::optim::StateDict train_and_record(const examples::ModelConfig& c) {
   bmt::optim::OptimManager optim(om);
   optim.add_optimizer(optimizer);
 
+  // Plain-LibTorch loss and gradient 2-norm of step 0 from the same initial weights (llama only).
+  double plain_loss = 0, plain_norm = 0;
+  if (c.arch == "llama") {
+    std::map<std::string, at::Tensor> P;
+    for (auto& [key, value] : bmt::state_dict(*model)) P[key] = value.clone().requires_grad_();
+    const llama_ref::Shape shape{c.num_layers, c.dim, c.num_heads, c.kv_heads(), c.norm_eps, c.rope_theta};
+    at::Tensor tokens = global_batch(c, 0);
+    const int64_t seq = tokens.size(1) - 1;
+    at::Tensor loss = llama_ref::mean_cross_entropy(llama_ref::logits(shape, P, tokens.narrow(1, 0, seq)),
+                                                    tokens.narrow(1, 1, seq));
+    loss.backward();
+    plain_loss = loss.item<double>();
+    for (auto& kv : P) plain_norm += kv.second.grad().pow(2).sum().item<double>();
+    plain_norm = std::sqrt(plain_norm);
+  }
+
   bmt::optim::StateDict out;
   std::vector<double> losses, norms;
   for (int step = 0; step < kSteps; ++step) {
@@ -117,6 +136,12 @@ bmt::optim::StateDict train_and_record(const examples::ModelConfig& c) {
     optim.step();
     optim.zero_grad();
     losses.push_back(bmt::sum_loss(loss.detach()).item<double>());  // the mean over the global batch
+  }
+  if (c.arch == "llama") {
+    const std::string who = "tp " + std::to_string(cfg.tp_size) + " rank " + std::to_string(cfg.rank);
+    EXPECT_LE(std::abs(losses[0] - plain_loss), 2e-5 * plain_loss) << who << ": step 0 loss vs plain LibTorch Llama";
+    EXPECT_LE(std::abs(norms[0] - plain_norm), 2e-5 * plain_norm)
+        << who << ": step 0 gradient norm vs plain LibTorch Llama (" << norms[0] << " vs " << plain_norm << ")";
   }
   out["losses"] = at::tensor(losses, at::kDouble);
   out["norms"] = at::tensor(norms, at::kDouble);

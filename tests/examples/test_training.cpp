@@ -26,11 +26,8 @@ examples::TrainArgs quick_args() {
   return a;
 }
 
-// The same path on every rank of one run_ranks call (they share its rendezvous port), unique per call.
-std::string temp_dir(const std::string& name) {
-  const char* port = std::getenv("MASTER_PORT");
-  return (fs::temp_directory_path() / ("bmt_examples_" + name + "_" + (port ? port : "0"))).string();
-}
+// The same path on every rank of one run_ranks call, unique per call (run_ranks' own folder, removed on success).
+std::string temp_dir(const std::string& name) { return (fs::path(bmt::testing::run_dir()) / name).string(); }
 
 }  // namespace
 

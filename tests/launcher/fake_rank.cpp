@@ -7,6 +7,8 @@
 //   stdin          print "stdin-bytes=N", the number of bytes readable from stdin
 //   exit=C         exit with code C              signal=S   raise signal S (a number, SEGV, KILL, ...)
 //   sleep=S        sleep S seconds               ignore-term  ignore SIGTERM from now on
+//   touch=PATH     create the file PATH          wait-file=PATH  wait (at most 60 s) until PATH exists
+// (touch/wait-file order ranks without timing assumptions: a loaded machine may start a rank seconds late.)
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -63,6 +65,11 @@ void run_action(const std::string& action) {
     std::raise(parse_signal(arg));
   } else if (verb == "sleep") {
     std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(arg.c_str())));
+  } else if (verb == "touch") {
+    if (FILE* f = std::fopen(arg.c_str(), "w")) std::fclose(f);
+  } else if (verb == "wait-file") {
+    for (int i = 0; i < 6000 && ::access(arg.c_str(), F_OK) != 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
   } else if (verb == "ignore-term") {
     std::signal(SIGTERM, SIG_IGN);
   } else {

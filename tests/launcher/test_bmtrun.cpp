@@ -2,6 +2,9 @@
 // tests check its environment, output relaying, failure handling, signal forwarding and usage errors; the last
 // one smoke-tests bmt-bench-comm through it.
 // Every command runs under coreutils `timeout`, so a broken launcher fails a test instead of hanging it.
+// Timing: the ranks that should be stopped sleep kSleepS = 60 s; "stopped promptly" means well under that (the
+// bound kPromptS = 30 s holds on a loaded 2-core machine, where starting ranks can take seconds). Ordering between
+// ranks or with the test uses files (fake_rank touch / wait-file, polling the output), never a sleep.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -53,17 +56,45 @@ Result bmtrun(const std::string& args, int limit_s = 20) { return run_shell(kBmt
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
+constexpr const char* kSleep = "sleep=60";  // ranks that must be stopped, not waited for
+constexpr double kPromptS = 30;              // "stopped promptly": far below the 60 s sleep
+constexpr int kLimitS = 90;                  // the shell's bound for such runs
+
+// A free port kept bound (SO_REUSEADDR, not listening) while the object lives, so parallel jobs are not handed it
+// before rank 0's store binds it (bmtrun does the same for its own pick; the store sets SO_REUSEADDR too).
+class ReservedPort {
+ public:
+  ReservedPort() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int on = 1;
+    ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    socklen_t len = sizeof addr;
+    if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
+      port_ = ntohs(addr.sin_port);
+  }
+  ~ReservedPort() { ::close(fd_); }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// A fresh temporary file name (the file is created empty and removed with the object).
+struct TempPath {
+  TempPath() {
+    char tmpl[] = "/tmp/bmtrun_test_XXXXXX";
+    int fd = ::mkstemp(tmpl);
+    if (fd >= 0) ::close(fd);
+    path = tmpl;
+  }
+  ~TempPath() { ::unlink(path.c_str()); }
+  std::string path;
+};
 
 // "[rank R] RANK=.. ..." lines of fake_rank's `env` action, by the R of the prefix.
 std::map<int, std::map<std::string, std::string>> env_lines(const std::string& output) {
@@ -151,11 +182,11 @@ TEST(Bmtrun, FindsProgramsInPathAndGivesRanksNoStdin) {
 }
 
 TEST(Bmtrun, FailingRankIsNamedAndOthersStopPromptly) {
-  Result r = bmtrun("--nproc 3 " + kFake + " @1:exit=3 sleep=30");
+  Result r = bmtrun("--nproc 3 " + kFake + " @1:exit=3 " + kSleep, kLimitS);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(bmtrun: rank 1 \(pid \d+\) exited with code 3)"))) << r.output;
   EXPECT_TRUE(contains(r.output, "the first was rank 1")) << r.output;
-  EXPECT_LT(r.seconds, 8) << "the sleeping ranks must be stopped, not waited for\n" << r.output;
+  EXPECT_LT(r.seconds, kPromptS) << "the sleeping ranks must be stopped, not waited for\n" << r.output;
 }
 
 TEST(Bmtrun, RankKilledBySignalIsNamedWithTheSignal) {
@@ -164,55 +195,65 @@ TEST(Bmtrun, RankKilledBySignalIsNamedWithTheSignal) {
     int number;
   };
   for (Case c : {Case{"SEGV", 11}, Case{"KILL", 9}}) {
-    Result r = bmtrun("--nproc 2 " + kFake + " @0:signal=" + c.sig + " sleep=30");
+    Result r = bmtrun("--nproc 2 " + kFake + " @0:signal=" + c.sig + " " + kSleep, kLimitS);
     EXPECT_EQ(r.exit_code, 128 + c.number) << r.output;
     std::string expected = std::string("was killed by signal SIG") + c.sig + " (" + std::to_string(c.number) + ")";
     EXPECT_TRUE(std::regex_search(r.output, std::regex(R"(bmtrun: rank 0 \(pid \d+\) )" +
                                                        std::string("was killed by signal SIG") + c.sig)))
         << r.output;
     EXPECT_TRUE(contains(r.output, expected)) << r.output;
-    EXPECT_LT(r.seconds, 8) << r.output;
+    EXPECT_LT(r.seconds, kPromptS) << r.output;
   }
 }
 
 TEST(Bmtrun, RankIgnoringSigtermIsKilledAfterTheGracePeriod) {
-  Result r = bmtrun("--nproc 2 " + kFake + " ignore-term @1:exit=2 sleep=30");
+  Result r = bmtrun("--nproc 2 " + kFake + " ignore-term @1:exit=2 " + kSleep, kLimitS);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "still running after the grace period: sending SIGKILL")) << r.output;
   EXPECT_TRUE(contains(r.output, "killed by signal SIGKILL")) << r.output;
-  EXPECT_GE(r.seconds, 4.5) << r.output;
-  EXPECT_LT(r.seconds, 12) << r.output;
+  EXPECT_GE(r.seconds, 4.5) << r.output;  // the grace period is 5 s
+  EXPECT_LT(r.seconds, kPromptS) << r.output;
 }
 
 TEST(Bmtrun, RankZeroOnlyHidesOthersButShowsTheFailingRanksStderrTail) {
-  // Rank 2 fails a little later, so that rank 0 has printed before it is stopped.
-  Result r = bmtrun("--rank0-only --nproc 3 " + kFake + " out=hello @2:err=why-i-failed @2:sleep=1.5 @2:exit=3 sleep=30");
+  // Rank 2 fails only once rank 0 has printed (rank 0 touches a file after printing), then lets bmtrun relay it.
+  TempPath printed;
+  ::unlink(printed.path.c_str());
+  Result r = bmtrun("--rank0-only --nproc 3 " + kFake + " out=hello @0:touch=" + printed.path +
+                        " @2:err=why-i-failed @2:wait-file=" + printed.path + " @2:sleep=0.5 @2:exit=3 " + kSleep,
+                    kLimitS);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "[rank 0] hello")) << r.output;
   EXPECT_FALSE(contains(r.output, "[rank 1] hello")) << r.output;
   EXPECT_FALSE(contains(r.output, "[rank 2] hello")) << r.output;
   EXPECT_TRUE(contains(r.output, "rank 2 (pid")) << r.output;
   EXPECT_TRUE(contains(r.output, "stderr lines of rank 2:\n[rank 2] why-i-failed")) << r.output;
-  EXPECT_LT(r.seconds, 10) << r.output;
+  EXPECT_LT(r.seconds, kPromptS) << r.output;
 }
 
 TEST(Bmtrun, ForwardsSigintAndSigterm) {
   for (auto [sig, number] : {std::pair<const char*, int>{"INT", 2}, {"TERM", 15}}) {
     // Background jobs of a non-interactive shell start with SIGINT ignored; bmtrun installs its own handler.
-    Result r = run_shell(kBmtrun + " --nproc 2 " + kFake + " out=started sleep=30 2>&1 & pid=$!; sleep 1; kill -" +
-                         sig + " $pid; wait $pid");
+    // The signal is sent once both ranks have printed (bmtrun installed its handler before starting them), polled
+    // in bmtrun's output file rather than guessed with a sleep.
+    TempPath out;
+    Result r = run_shell(kBmtrun + " --nproc 2 " + kFake + " out=started " + kSleep + " >" + out.path +
+                             " 2>&1 & pid=$!; while [ $(grep -c started " + out.path +
+                             ") -lt 2 ]; do sleep 0.05; done; kill -" + sig + " $pid; wait $pid; rc=$?; cat " +
+                             out.path + "; exit $rc",
+                         kLimitS);
     EXPECT_EQ(r.exit_code, 128 + number) << r.output;
     EXPECT_TRUE(contains(r.output, std::string("received SIG") + sig + ", forwarding it to 2 ranks")) << r.output;
     EXPECT_TRUE(contains(r.output, std::string("stopped: was killed by signal SIG") + sig)) << r.output;
-    EXPECT_LT(r.seconds, 8) << r.output;
+    EXPECT_LT(r.seconds, kPromptS) << r.output;
   }
 }
 
 TEST(Bmtrun, TimeoutStopsTheJob) {
-  Result r = bmtrun("--timeout-s 1 --nproc 2 " + kFake + " sleep=30");
+  Result r = bmtrun("--timeout-s 1 --nproc 2 " + kFake + " " + kSleep, kLimitS);
   EXPECT_EQ(r.exit_code, 124) << r.output;
   EXPECT_TRUE(contains(r.output, "timeout: the job ran longer than --timeout-s 1 s")) << r.output;
-  EXPECT_LT(r.seconds, 8) << r.output;
+  EXPECT_LT(r.seconds, kPromptS) << r.output;
 }
 
 TEST(Bmtrun, UsageErrorsExitTwoAndNameTheProblem) {
@@ -254,13 +295,16 @@ TEST(Bmtrun, RunsTheRuntimeDemoOnTwoRanks) {
 
 // Two simulated nodes of two ranks each on this host, started concurrently like two machines would be.
 TEST(Bmtrun, RunsTheRuntimeDemoOnTwoSimulatedNodes) {
-  int port = free_port();
+  const ReservedPort reserved;  // held until both simulated nodes are done
+  const int port = reserved.port();
+  ASSERT_GT(port, 0);
   auto node_cmd = [&](int node) {
     return "BMT_TIMEOUT_S=15 " + kBmtrun + " --timeout-s 18 --nnodes 2 --node-rank " + std::to_string(node) +
            " --nproc 2 --master-addr 127.0.0.1 --master-port " + std::to_string(port) + " " + kDemo + " --tp 2 2>&1";
   };
   // Node 1 in the background, node 0 in the foreground: both run at once; the shell reports both statuses.
-  Result r = run_shell("(" + node_cmd(1) + "; echo node1-exit=$?) & " + node_cmd(0) + "; echo node0-exit=$?; wait");
+  Result r = run_shell("(" + node_cmd(1) + "; echo node1-exit=$?) & " + node_cmd(0) + "; echo node0-exit=$?; wait",
+                       kLimitS);
   EXPECT_TRUE(contains(r.output, "node0-exit=0")) << r.output;
   EXPECT_TRUE(contains(r.output, "node1-exit=0")) << r.output;
   for (int rank = 0; rank < 4; ++rank)
@@ -268,7 +312,7 @@ TEST(Bmtrun, RunsTheRuntimeDemoOnTwoSimulatedNodes) {
         << r.output;
   EXPECT_TRUE(contains(r.output, "all_gather=[1,1,1,2,2,2,3,3,3,4,4,4] all_reduce=10")) << r.output;
   EXPECT_TRUE(contains(r.output, "[rank 0] expected all_reduce = 10 -> OK")) << r.output;
-  EXPECT_LT(r.seconds, 20) << r.output;
+  EXPECT_LT(r.seconds, 40) << r.output;  // the ranks' own timeouts are 15-18 s
 }
 
 // bmt-bench-comm on two Gloo ranks: a short sweep, the table on rank 0 only, one JSON object per row.

@@ -4,12 +4,16 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <ftw.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -47,6 +51,32 @@ std::string describe_status(int status) {
   return "status " + std::to_string(status);
 }
 
+// Not std::filesystem::remove_all: libtorch.so exports an incompatible one that crashes (tests/examples).
+void remove_tree(const std::string& dir) {
+  nftw(dir.c_str(), [](const char* path, const struct stat*, int, FTW*) { return std::remove(path); }, 16,
+       FTW_DEPTH | FTW_PHYS);
+}
+
+// Set when a rank process runs the body it was started for; checked when the process exits.
+bool g_body_reached = false;
+
+void fail_if_body_not_reached() {
+  if (g_body_reached) return;
+  const char msg[] =
+      "run_ranks: this rank process ended without reaching the run_ranks call it was started for (the test took "
+      "another path in the child than in the parent); failing instead of passing silently\n";
+  fflush(stdout);
+  if (write(STDERR_FILENO, msg, sizeof(msg) - 1) < 0) {
+  }
+  _exit(3);  // safe inside an exit handler, unlike exit()
+}
+
+// Registered before main in every rank process (this file is linked into every test that forks ranks).
+const bool g_exit_check_registered = [] {
+  if (std::getenv("BMT_TEST_CHILD_CALL")) std::atexit(fail_if_body_not_reached);
+  return true;
+}();
+
 }  // namespace
 
 bool in_rank_process() { return std::getenv("BMT_TEST_CHILD_CALL") != nullptr; }
@@ -57,6 +87,35 @@ bmt::InitOptions test_init() {
   o.quiet = true;
   o.timeout = std::chrono::seconds(60);
   return o;
+}
+
+PortReservation::PortReservation() {
+  fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) throw std::runtime_error(std::string("PortReservation: socket: ") + strerror(errno));
+  int on = 1;
+  setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);  // covers the 127.0.0.1 and 0.0.0.0 binds of a TCPStore
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    int err = errno;
+    close(fd_);
+    throw std::runtime_error(std::string("PortReservation: cannot bind port 0: ") + strerror(err));
+  }
+  port_ = ntohs(addr.sin_port);
+}
+
+PortReservation::~PortReservation() {
+  if (fd_ >= 0) close(fd_);
+}
+
+std::string run_dir() {
+  const char* dir = std::getenv("BMT_TEST_RUN_DIR");
+  if (!dir) throw std::runtime_error("run_dir() is only valid inside a rank process started by run_ranks");
+  return dir;
 }
 
 int free_port() {
@@ -79,6 +138,7 @@ RankRunReport run_ranks(int world_size, const std::function<void()>& body, bmt::
   RankRunReport report;
   if (const char* child_call = std::getenv("BMT_TEST_CHILD_CALL")) {
     if (std::atoi(child_call) != call) return report;  // another call of this test
+    g_body_reached = true;
     try {
       bmt::init_distributed(init);
       body();
@@ -92,7 +152,8 @@ RankRunReport run_ranks(int world_size, const std::function<void()>& body, bmt::
   const std::string test = current_test_name();
   char dir_template[] = "/tmp/bmt_ranks_XXXXXX";
   std::string dir = mkdtemp(dir_template);
-  const int port = free_port();
+  const PortReservation reservation;  // held until every rank has exited
+  const int port = reservation.port();
   std::vector<pid_t> pids(world_size);
   std::vector<std::string> logs(world_size);
   for (int r = 0; r < world_size; ++r) {
@@ -106,6 +167,7 @@ RankRunReport run_ranks(int world_size, const std::function<void()>& body, bmt::
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       setenv("BMT_TEST_CHILD_CALL", std::to_string(call).c_str(), 1);
+      setenv("BMT_TEST_RUN_DIR", dir.c_str(), 1);
       setenv("OMP_NUM_THREADS", "1", 0);
       FILE* f = std::freopen(logs[r].c_str(), "w", stdout);
       (void)f;
@@ -159,8 +221,7 @@ RankRunReport run_ranks(int world_size, const std::function<void()>& body, bmt::
   // Keep the logs of an unexpected failure for inspection; otherwise (success, or a fault test that expected the
   // failure and got the report) clean up.
   if (report.all_ok || run.expect_failure) {
-    for (auto& l : logs) std::remove(l.c_str());
-    rmdir(dir.c_str());
+    remove_tree(dir);
   }
   return report;
 }

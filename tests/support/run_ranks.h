@@ -3,6 +3,10 @@
 // environment (RANK, WORLD_SIZE, MASTER_PORT=<free port>, ...). Each child calls bmt::init_distributed(options),
 // runs `body`, finalizes and exits; gtest failures or exceptions make it exit non-zero. The parent waits (bounded),
 // kills the others when one fails, and reports every failed rank with the tail of its output.
+// A child whose test ends without reaching its run_ranks body (a condition that differs between the parent and the
+// child, an early return) exits non-zero: otherwise it would pass without running anything.
+// The rendezvous port stays reserved (bound, not listening) by the parent for the whole run, so parallel test jobs
+// cannot be handed the same port between the pick and rank 0's bind.
 #pragma once
 
 #include <chrono>
@@ -34,7 +38,28 @@ RankRunReport run_ranks(int world_size, const std::function<void()>& body, bmt::
 // True inside a rank process started by run_ranks.
 bool in_rank_process();
 
-// A TCP port that was free a moment ago on 127.0.0.1.
+// A TCP port that was free a moment ago on 127.0.0.1 (the socket is closed again: racy under parallel jobs; prefer
+// PortReservation when a child process binds it).
 int free_port();
+
+// A port bound (SO_REUSEADDR, not listening) for the lifetime of this object: the kernel hands it to no other
+// bind(0) or outgoing connection meanwhile, while a child's TCPStore (which sets SO_REUSEADDR and listens) can
+// still bind it.
+class PortReservation {
+ public:
+  PortReservation();
+  ~PortReservation();
+  PortReservation(const PortReservation&) = delete;
+  PortReservation& operator=(const PortReservation&) = delete;
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// A folder private to the current run_ranks call, the same on every rank of it (created by the parent, removed
+// with the logs when the run succeeds). Only valid inside a rank process.
+std::string run_dir();
 
 }  // namespace bmt::testing

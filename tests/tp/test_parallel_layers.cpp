@@ -160,7 +160,7 @@ TEST(ParallelLayers, Tp4) { run_ranks(4, all_layer_cases, tp_init(4)); }
 TEST(ParallelLayers, Dp2Tp2ShardedPieces) { run_ranks(4, all_layer_cases, tp_init(2)); }
 TEST(ParallelLayers, Tp1IsDense) { run_ranks(1, all_layer_cases, tp_init(1)); }
 
-// The tp ops' gradient pairs, checked on a closed form: objective sum(W * y) with W = 1 + k % 3 per element.
+// The tp ops as forward round trips (their closed-form gradients: test_tp_ops_grads.cpp).
 TEST(TpOps, SplitAndGatherRowsRoundTrip) {
   run_ranks(2, [] {
     at::Tensor x = at::arange(24, at::kFloat).view({4, 6});

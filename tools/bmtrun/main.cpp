@@ -3,6 +3,7 @@
 // Starts --nproc ranks on this node with the torchrun environment, prefixes their output with "[rank R] ",
 // and stops the whole job as soon as one rank fails. See options.cpp for the options and exit codes.
 #include <cstdio>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -46,10 +47,12 @@ int main(int argc, char** argv) {
   sup_opts.rank0_only = opts.rank0_only;
   sup_opts.timeout_s = opts.timeout_s;
   bmtrun::Supervisor supervisor(sup_opts);
+  std::optional<bmtrun::ReservedPort> reserved;  // held until the job ends
   try {
     bmtrun::install_signal_handlers();
     // Several nodes must agree on the port without talking first, hence torchrun's fixed default there.
-    int port = opts.master_port ? opts.master_port : (opts.nnodes > 1 ? 29500 : bmtrun::pick_free_port());
+    int port = opts.master_port ? opts.master_port : 29500;
+    if (!opts.master_port && opts.nnodes == 1) port = reserved.emplace().port();
     for (int local = 0; local < opts.nproc; ++local) {
       bmtrun::SpawnSpec spec;
       spec.rank = opts.node_rank * opts.nproc + local;

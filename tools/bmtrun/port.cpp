@@ -1,5 +1,7 @@
-// Free-port selection by binding port 0: the kernel hands out an unused ephemeral port. There is a short race
-// until rank 0's store binds it, far less likely than two jobs colliding on a fixed 29500.
+// Free-port selection by binding port 0: the kernel hands out an unused ephemeral port. The socket stays bound
+// (SO_REUSEADDR, never listening) while the job runs, so no other bind(0) or outgoing connection is handed the port
+// before rank 0's store binds it (the store sets SO_REUSEADDR too, which Linux allows next to a non-listening
+// socket).
 #include "bmtrun/port.h"
 
 #include <arpa/inet.h>
@@ -14,9 +16,11 @@
 
 namespace bmtrun {
 
-int pick_free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+ReservedPort::ReservedPort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);  // CLOEXEC: the ranks do not inherit it
   if (fd < 0) throw std::runtime_error(std::string("cannot create a socket to find a free port: ") + std::strerror(errno));
+  int on = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_ANY);  // the store listens on every interface
@@ -29,8 +33,12 @@ int pick_free_port() {
     throw std::runtime_error(std::string("cannot find a free TCP port: ") + std::strerror(err) +
                              "; pass one with --master-port");
   }
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  fd_ = fd;
+  port_ = ntohs(addr.sin_port);
+}
+
+ReservedPort::~ReservedPort() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 }  // namespace bmtrun
