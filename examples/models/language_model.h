@@ -56,9 +56,10 @@ struct ParallelOptions {
   std::optional<bmt::nn::TpPlan> tp_plan;
 };
 
-// Tensor parallelism: the batch's tokens as rows (B·T flattened, row = b·T + t). Under sequence parallelism
-// (bmt::config().sequence_parallel, the default) the rows are padded to a multiple of tp_size and tp rank r holds
-// the r-th contiguous chunk of them between tensor-parallel regions; otherwise every rank holds all rows.
+// The layout every model computes on: the batch's tokens as rows (B·T flattened, row = b·T + t). Under sequence
+// parallelism at tp_size > 1 (bmt::config().sequence_parallel, the default) the rows are padded to a multiple of
+// tp_size and tp rank r holds the r-th contiguous chunk of them between tensor-parallel regions; otherwise every
+// rank holds all rows.
 struct TokenRows {
   int64_t batch = 0, seq = 0;
   int64_t rows = 0;         // B·T
