@@ -9,56 +9,57 @@
 // State-dict keys: wte.weight, wpe.weight, layers.<i>.{ln_1,attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}.*,
 // ln_f.{weight,bias}.
 //
-// Tensor parallelism (bmt::config().tp_size > 1; the same layout in models/llama.h). Every rank of a tp group
-// gets the same batch; heads, ff features and the vocabulary are split over the group:
-//   attn.c_attn   ColumnParallelLinear(d, 3d, split_groups 3): this rank's heads of Q, K and V (num_heads / tp)
-//   attn.c_proj   RowParallelLinear(d, d)          mlp.c_fc ColumnParallelLinear(d, ff)   mlp.c_proj RowParallel
-//   wte           VPEmbedding: lookup of this rank's vocabulary range, tied projection to its logits slice
-//   loss          bmt::loss::fused_cross_entropy(parallel) on the slices: the (rows, vocab) logits never exist
-// Activation layout: sequence parallel (InitOptions::sequence_parallel, the default): the batch's B·T tokens are
-// rows (row = b·T + t), padded to a multiple of tp, and tp rank r holds the r-th contiguous chunk of them between
-// the tensor-parallel regions (embedding sum, positions wpe[row % T], residuals, LayerNorms on the local rows).
-// A column-parallel layer all-gathers the rows; attention sees whole (B, T) sequences of its heads; a row-parallel
-// layer reduce-scatters back to the local rows. With sequence_parallel = false (Megatron) every rank holds all
-// rows and row-parallel outputs are all-reduced. tp-replicated parameters (wpe, LayerNorms, row-parallel biases)
-// have their gradients summed over tp (sequence parallel: each rank saw its rows) or averaged (Megatron).
-// Parameter names, shapes and state_dict values are those of the tp_size 1 model (c_attn keeps its (3d, d)
-// layout), and tp_size 1 runs exactly the dense code. tp_size must divide heads, ff and vocab (error otherwise).
+// Tensor parallelism (bmt::config().tp_size > 1; the same layout in models/llama.h): the model code above knows
+// nothing of it; gpt_tp_plan() (a bmt::nn::TpPlan, nn/tp_plan.h) says how its layers split. Every rank of a tp
+// group gets the same batch; heads, ff features and the vocabulary are split over the group:
+//   layers.*.attn.c_attn   column, split_groups 3: this rank's heads of Q, K and V (num_heads / tp)
+//   layers.*.attn.c_proj   row                     layers.*.mlp.c_fc column      layers.*.mlp.c_proj row
+//   wte                    vocab_embedding: lookup of this rank's vocabulary range, tied projection to its logits
+//   loss                   bmt::loss::fused_cross_entropy(parallel) on the slices: the (rows, vocab) logits never exist
+// Everything else (wpe, LayerNorms) is replicated. Activation layout: the batch's B·T tokens are rows (row = b·T +
+// t). Sequence parallel (InitOptions::sequence_parallel, the default): the rows are padded to a multiple of tp, and
+// tp rank r holds the r-th contiguous chunk of them between the tensor-parallel regions (embedding sum, positions
+// wpe[row % T], residuals, LayerNorms on the local rows). A column-parallel layer all-gathers the rows; attention
+// sees whole (B, T) sequences of its heads; a row-parallel layer reduce-scatters back to the local rows. With
+// sequence_parallel = false (Megatron) every rank holds all rows and row-parallel outputs are all-reduced.
+// tp-replicated parameters (wpe, LayerNorms, row-parallel biases) have their gradients summed over tp (sequence
+// parallel: each rank saw its rows) or averaged (Megatron). Parameter names, shapes and state_dict values are
+// those of the tp_size 1 model (c_attn keeps its (3d, d) layout). tp_size must divide heads, ff and vocab.
 #pragma once
 
 #include "bmt/block_list.h"
 #include "bmt/nn/layers.h"
-#include "bmt/nn/parallel_layers.h"
+#include "bmt/nn/planned_layers.h"
 #include "models/language_model.h"
 
 namespace examples {
 
+// The GPT layout above; sequence_parallel as InitOptions::sequence_parallel.
+bmt::nn::TpPlan gpt_tp_plan(bool sequence_parallel = true);
+
+// Layers are built in `tp`, the scope of their module path ("layers.3", "layers.3.attn").
 class GptAttentionImpl : public torch::nn::Module {
  public:
-  GptAttentionImpl(const ModelConfig& c, at::ScalarType dtype);
-  // shape: TokenRows::shape (tp_size > 1 only; x is then rows (rows, d)).
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& shape = {});
-  int64_t num_heads;  // heads computed on this rank (num_heads / tp_size)
-  bmt::nn::Linear c_attn{nullptr}, c_proj{nullptr};  // tp_size 1
-  bmt::nn::ColumnParallelLinear c_attn_tp{nullptr};   // tp_size > 1, registered as c_attn
-  bmt::nn::RowParallelLinear c_proj_tp{nullptr};      // tp_size > 1, registered as c_proj
+  GptAttentionImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn::TpScope& tp);
+  // x: token rows (rows, d); shape: TokenRows::shape.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& shape);
+  int64_t head_dim;
+  bmt::nn::PlannedLinear c_attn, c_proj;
 };
 TORCH_MODULE(GptAttention);
 
 class GptMlpImpl : public torch::nn::Module {
  public:
-  GptMlpImpl(const ModelConfig& c, at::ScalarType dtype);
+  GptMlpImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn::TpScope& tp);
   at::Tensor forward(const at::Tensor& x);
-  bmt::nn::Linear c_fc{nullptr}, c_proj{nullptr};  // tp_size 1
-  bmt::nn::ColumnParallelLinear c_fc_tp{nullptr};   // tp_size > 1, registered as c_fc
-  bmt::nn::RowParallelLinear c_proj_tp{nullptr};    // tp_size > 1, registered as c_proj
+  bmt::nn::PlannedLinear c_fc, c_proj;
 };
 TORCH_MODULE(GptMlp);
 
 class GptLayerImpl : public torch::nn::Module {
  public:
-  GptLayerImpl(const ModelConfig& c, at::ScalarType dtype);
-  // {x} (tp_size 1: x (B, T, d)) or {x, TokenRows::shape} (tp_size > 1: x rows (rows, d)) -> {output}.
+  GptLayerImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn::TpScope& tp);
+  // {x rows (rows, d), TokenRows::shape} -> {output rows}.
   std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in);
   bmt::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   GptAttention attn{nullptr};
@@ -69,11 +70,10 @@ TORCH_MODULE(GptLayer);
 class Gpt : public LanguageModel {
  public:
   Gpt(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarType dtype);
-  at::Tensor forward(const at::Tensor& ids) override;
   const ModelConfig& config() const override { return config_; }
 
-  bmt::nn::Embedding wte{nullptr}, wpe{nullptr};  // wte: tp_size 1
-  bmt::nn::VPEmbedding wte_tp{nullptr};             // tp_size > 1, registered as wte
+  bmt::nn::PlannedEmbedding wte;
+  bmt::nn::Embedding wpe{nullptr};
   std::shared_ptr<bmt::TransformerBlockList> layers;
   bmt::nn::LayerNorm ln_f{nullptr};
 

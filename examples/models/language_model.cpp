@@ -80,12 +80,6 @@ TokenRows token_rows(const at::Tensor& ids) {
   return r;
 }
 
-void set_replicated_grad_reduce(torch::nn::Module& module) {
-  const bmt::Config& cfg = bmt::config();
-  if (cfg.tp_size <= 1) return;
-  bmt::set_tp_grad_reduce(module, cfg.sequence_parallel ? bmt::TpGradReduce::kSum : bmt::TpGradReduce::kAvg);
-}
-
 at::Tensor rows_to_batch(const at::Tensor& x, const at::Tensor& shape) {
   const int64_t B = shape.size(0), T = shape.size(1);
   return x.narrow(0, 0, B * T).reshape({B, T, x.size(-1)});
@@ -97,7 +91,7 @@ at::Tensor batch_to_rows(const at::Tensor& x, const at::Tensor& shape) {
   return padded > rows ? at::constant_pad_nd(y, {0, 0, 0, padded - rows}) : y;
 }
 
-at::Tensor LanguageModel::tp_forward(const at::Tensor& ids) {
+at::Tensor LanguageModel::forward(const at::Tensor& ids) {
   TokenRows rows = token_rows(ids);
   at::Tensor logits = logit_rows(rows);
   return logits.narrow(0, 0, rows.rows).reshape({rows.batch, rows.seq, logits.size(-1)});
@@ -107,7 +101,7 @@ at::Tensor LanguageModel::loss(const at::Tensor& ids, const at::Tensor& targets)
   BMT_CHECK(targets.sizes() == ids.sizes(), "model: targets of shape ", targets.sizes(), " for ids of shape ",
             ids.sizes());
   bmt::loss::FusedCrossEntropyOptions o;
-  if (bmt::config().tp_size <= 1) {
+  if (!vocab_parallel_logits_) {
     // The fused kernel keeps only the parameter-dtype logits for the backward and writes the gradient over them;
     // the unfused fp32 path (lm_loss) holds several fp32 copies of the (B·T, V) logits at the memory peak.
     o.inplace = true;
@@ -126,7 +120,7 @@ at::Tensor LanguageModel::loss(const at::Tensor& ids, const at::Tensor& targets)
 
 at::Tensor LanguageModel::argmax_vocab(const at::Tensor& logits) {
   const bmt::Config& cfg = bmt::config();
-  if (cfg.tp_size <= 1) return logits.argmax(-1);
+  if (!vocab_parallel_logits_) return logits.argmax(-1);
   at::NoGradGuard no_grad;
   auto [values, index] = logits.max(-1);
   index = index + static_cast<int64_t>(cfg.tp_rank) * logits.size(-1);
@@ -138,10 +132,29 @@ at::Tensor LanguageModel::argmax_vocab(const at::Tensor& logits) {
 
 at::Tensor LanguageModel::full_vocab_logits(const at::Tensor& logits) {
   const bmt::Config& cfg = bmt::config();
-  if (cfg.tp_size <= 1) return logits;
+  if (!vocab_parallel_logits_) return logits;
   at::NoGradGuard no_grad;
   at::Tensor all = bmt::distributed::raw_all_gather(logits.contiguous(), *cfg.tp_comm);  // (tp, ..., V / tp)
   return at::cat(all.unbind(0), -1);
+}
+
+bmt::nn::TpPlan LanguageModel::plan_for(const ParallelOptions& parallel, const bmt::nn::TpPlan& default_plan) const {
+  if (parallel.tp_plan) return *parallel.tp_plan;
+  config().validate_tensor_parallel(bmt::config().tp_size);
+  return default_plan;
+}
+
+void LanguageModel::set_vocab_layout(const bmt::nn::TpBuilder& tp, const std::string& embedding,
+                                     bool embedding_vocab_parallel, const std::string& head,
+                                     bool head_vocab_parallel) {
+  auto style = [](bool vp, const char* name) { return vp ? name : "replicated"; };
+  BMT_CHECK(!tp.sequence_parallel() || (embedding_vocab_parallel && head_vocab_parallel), "model ",
+            config().describe(), ": under sequence parallelism the token embedding '", embedding,
+            "' and the output head '", head, "' split the token rows over tp and gather them back, so the tp plan "
+            "must make them vocab_embedding and vocab_head; it makes them ",
+            style(embedding_vocab_parallel, "vocab_embedding"), " and ", style(head_vocab_parallel, "vocab_head"),
+            " (or turn sequence parallelism off)");
+  vocab_parallel_logits_ = head_vocab_parallel;
 }
 
 int64_t LanguageModel::num_params() {

@@ -5,16 +5,21 @@
 // transformer layer is wrapped in a bmt::Block inside a bmt::TransformerBlockList registered as "layers".
 // forward() is collective: every rank of the ZeRO group must call it (with its own batch).
 //
-// Tensor parallelism (bmt::config().tp_size > 1; layout in models/gpt.h): the ranks of one tp group must call
-// every method together with the same ids (they split heads, ff and vocabulary, not the batch); parameter names
-// and state_dict values are those of the tp_size 1 model. At tp_size 1 nothing changes.
+// Tensor parallelism (bmt::config().tp_size > 1): a model has one definition; its tensor-parallel layout is a
+// bmt::nn::TpPlan (ParallelOptions::tp_plan, by default the architecture's gpt_tp_plan / llama_tp_plan, layout
+// in models/gpt.h) applied while it is built. The ranks of one tp group must call every method together with the
+// same ids (they split heads, ff and vocabulary, not the batch); parameter names and state_dict values are those
+// of the tp_size 1 model. Every model computes on token rows (TokenRows); at tp_size 1 a plan changes nothing.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <optional>
 #include <string>
+
+#include "bmt/nn/planned_layers.h"
 
 namespace examples {
 
@@ -41,13 +46,20 @@ struct ModelConfig {
 };
 
 struct ParallelOptions {
+  // A constructor, not an aggregate: {zero, checkpointing} braces stay valid without naming tp_plan.
+  ParallelOptions(int zero = 3, bool checkpoint = false, std::optional<bmt::nn::TpPlan> plan = std::nullopt)
+      : zero_level(zero), checkpointing(checkpoint), tp_plan(std::move(plan)) {}
   int zero_level = 3;          // 2 or 3, for every Block
   bool checkpointing = false;  // recompute each layer's forward in backward
+  // The tensor-parallel layout; unset: the architecture's plan (gpt_tp_plan / llama_tp_plan) with
+  // bmt::config().sequence_parallel. Ignored at tp_size 1 except for its validation.
+  std::optional<bmt::nn::TpPlan> tp_plan;
 };
 
-// Tensor parallelism: the batch's tokens as rows (B·T flattened, row = b·T + t). Under sequence parallelism
-// (bmt::config().sequence_parallel, the default) the rows are padded to a multiple of tp_size and tp rank r holds
-// the r-th contiguous chunk of them between tensor-parallel regions; otherwise every rank holds all rows.
+// The layout every model computes on: the batch's tokens as rows (B·T flattened, row = b·T + t). Under sequence
+// parallelism at tp_size > 1 (bmt::config().sequence_parallel, the default) the rows are padded to a multiple of
+// tp_size and tp rank r holds the r-th contiguous chunk of them between tensor-parallel regions; otherwise every
+// rank holds all rows.
 struct TokenRows {
   int64_t batch = 0, seq = 0;
   int64_t rows = 0;         // B·T
@@ -57,28 +69,25 @@ struct TokenRows {
   at::Tensor shape;         // an empty (B, T, 0) tensor: carries B and T through the Blocks without data
 };
 TokenRows token_rows(const at::Tensor& ids);
-// Marks every tp-replicated parameter of `module` (norms, positions, row-parallel biases): gradients summed over
-// tp under sequence parallelism (each rank saw its own rows), averaged with replicated rows. No-op at tp_size 1.
-// Call before the module is wrapped in a Block.
-void set_replicated_grad_reduce(torch::nn::Module& module);
 // Inside a layer: full rows (padded_rows or rows, F) -> (B, T, F) without the padding, and back (zero padding).
 at::Tensor rows_to_batch(const at::Tensor& x, const at::Tensor& shape);
 at::Tensor batch_to_rows(const at::Tensor& x, const at::Tensor& shape);
 
 class LanguageModel : public torch::nn::Module {
  public:
-  // ids (B, T) int64 with T <= max_seq_len -> logits (B, T, vocab) in the parameter dtype. tp_size > 1: the
-  // logits of this tp rank's vocabulary slice, (B, T, vocab / tp_size) for ids [tp_rank · vocab / tp_size, ...).
-  virtual at::Tensor forward(const at::Tensor& ids) = 0;
+  // ids (B, T) int64 with T <= max_seq_len -> logits (B, T, vocab) in the parameter dtype. With a vocab-parallel
+  // head (tp_size > 1): the logits of this tp rank's vocabulary slice, (B, T, vocab / tp_size) for ids
+  // [tp_rank · vocab / tp_size, ...).
+  at::Tensor forward(const at::Tensor& ids);
   virtual const ModelConfig& config() const = 0;
 
   // Mean next-token cross-entropy in fp32 of targets (B, T) after ids (B, T), with bmt::loss::fused_cross_entropy:
-  // at tp_size 1 on the whole logits (in-place backward; equal to lm_loss(forward(ids), targets) to fp32 rounding),
-  // at tp_size > 1 vocabulary-parallel (the full logits never exist; the same value on every tp rank).
+  // on the whole logits (in-place backward; equal to lm_loss(forward(ids), targets) to fp32 rounding), or with a
+  // vocab-parallel head vocabulary-parallel (the full logits never exist; the same value on every tp rank).
   at::Tensor loss(const at::Tensor& ids, const at::Tensor& targets);
   // forward()'s logits (..., V or V / tp) -> the argmax over the whole vocabulary (...) int64 (collective over tp).
   at::Tensor argmax_vocab(const at::Tensor& logits);
-  // forward()'s logits of a few positions (..., V / tp) -> (..., V): all-gathered over tp (identity at tp 1).
+  // forward()'s logits of a few positions (..., V / tp) -> (..., V): all-gathered over tp (identity when whole).
   at::Tensor full_vocab_logits(const at::Tensor& logits);
 
   // Total parameters (full, unsharded) and the parameters whose matmuls run per token (all but positions).
@@ -87,10 +96,18 @@ class LanguageModel : public torch::nn::Module {
   double train_flops_per_token(int64_t seq);
 
  protected:
-  // tp_size > 1: the logits of this tp rank's vocabulary slice for every (padded) row, (padded_rows, vocab / tp).
+  // The logits of every (padded) row, (padded_rows, vocab), or this rank's vocabulary slice (vocab / tp).
   virtual at::Tensor logit_rows(const TokenRows& rows) = 0;
-  // tp_size > 1: forward() from logit_rows.
-  at::Tensor tp_forward(const at::Tensor& ids);
+  // The architecture's plan unless ParallelOptions::tp_plan gives one; with the default plan also checks that
+  // tp_size divides the config's sizes (ModelConfig::validate_tensor_parallel).
+  bmt::nn::TpPlan plan_for(const ParallelOptions& parallel, const bmt::nn::TpPlan& default_plan) const;
+  // Called by the model once its embedding and head are built: whether they are vocab-parallel. Under sequence
+  // parallelism both must be (they split the token rows over tp and gather them back): error naming them otherwise.
+  void set_vocab_layout(const bmt::nn::TpBuilder& tp, const std::string& embedding, bool embedding_vocab_parallel,
+                        const std::string& head, bool head_vocab_parallel);
+
+ private:
+  bool vocab_parallel_logits_ = false;
 };
 
 // Builds the model of config.arch with parameters of `dtype` on bmt::config().device (uninitialised: call

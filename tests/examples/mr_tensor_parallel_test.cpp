@@ -7,7 +7,9 @@
 // some batches' B·T rows odd, so the padding of sequence-parallel rows is exercised (generation too).
 // Llama runs (tp 1 and tp 2) also check their first step's loss and gradient norm against the independent
 // plain-LibTorch Llama (llama_reference.h) on the whole global batch, so the chain does not rest on the library at
-// tp 1 alone. Bad tp sizes fail with errors naming the layer and the sizes. Label multirank.
+// tp 1 alone. Bad tp sizes fail with errors naming the layer and the sizes. A custom TpPlan (only the attention
+// split, the MLP replicated, Megatron layout) matches the dense model too; plans naming a missing module or leaving
+// the vocabulary replicated under sequence parallelism are refused. Label multirank.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -16,6 +18,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 
 #include "bmt/distributed.h"
 #include "bmt/nn/parallel_layers.h"
@@ -25,6 +28,7 @@
 #include "bmt/parameter.h"
 #include "bmt/state_dict.h"
 #include "llama_reference.h"
+#include "models/gpt.h"
 #include "models/language_model.h"
 #include "run_ranks.h"
 #include "train/generate.h"
@@ -93,10 +97,11 @@ at::Tensor global_batch(const examples::ModelConfig& c, int step) {
 }
 
 // Trains kSteps steps on this data-parallel rank's share of each global batch; returns what the comparison needs.
-bmt::optim::StateDict train_and_record(const examples::ModelConfig& c) {
+bmt::optim::StateDict train_and_record(const examples::ModelConfig& c,
+                                       std::optional<bmt::nn::TpPlan> plan = std::nullopt) {
   const auto& cfg = bmt::config();
   const int dp = cfg.tp_zero_size, dp_rank = cfg.tp_zero_rank;
-  auto model = examples::make_model(c, {3, false}, at::kFloat);
+  auto model = examples::make_model(c, {3, false, plan}, at::kFloat);
   at::manual_seed(5);
   bmt::init_parameters(*model);
   // lr 1e-3: Adam divides by sqrt(v), so elements with gradients near eps turn fp32 summation-order differences
@@ -204,12 +209,13 @@ void compare_with_reference(const bmt::optim::StateDict& got, const std::string&
   EXPECT_EQ(got_keys, keys) << who << ": state_dict has extra keys";
 }
 
-void tp_matches_dense(const examples::ModelConfig& c, int world, bmt::InitOptions init) {
+void tp_matches_dense(const examples::ModelConfig& c, int world, bmt::InitOptions init,
+                      std::optional<bmt::nn::TpPlan> plan = std::nullopt) {
   const std::string ref = shared_dir() + "/reference.pt";
-  run_ranks(1, [&] { bmt::optim::save_state_dict(train_and_record(c), ref); });
+  run_ranks(1, [&] { bmt::optim::save_state_dict(train_and_record(c, plan), ref); });
   run_ranks(world, [&] {
     ASSERT_EQ(bmt::config().tp_size, 2);
-    compare_with_reference(train_and_record(c), ref);
+    compare_with_reference(train_and_record(c, plan), ref);
   }, init);
   remove_shared_dir();
 }
@@ -218,6 +224,36 @@ TEST(TensorParallelModels, GptDp2Tp2SequenceParallelMatchesDense) { tp_matches_d
 
 TEST(TensorParallelModels, GptTp2MegatronLayoutMatchesDense) {
   tp_matches_dense(gpt_config(), 2, tp_init(2, /*sequence_parallel=*/false));
+}
+
+// The same model definition under another plan: the MLPs replicated (every rank computes them on all rows).
+TEST(TensorParallelModels, GptTp2PlanWithReplicatedMlpMatchesDense) {
+  bmt::nn::TpPlan plan = examples::gpt_tp_plan(/*sequence_parallel=*/false);
+  plan.modules.erase("layers.*.mlp.c_fc");
+  plan.modules["layers.*.mlp.c_proj"] = {bmt::nn::TpStyle::kReplicated};
+  tp_matches_dense(gpt_config(), 2, tp_init(2, /*sequence_parallel=*/false), plan);
+}
+
+TEST(TensorParallelModels, PlansNamingMissingModulesOrReplicatedVocabAreRefused) {
+  run_ranks(2, [] {
+    auto expect_error = [](bmt::nn::TpPlan plan, const std::vector<std::string>& needles) {
+      try {
+        examples::make_model(gpt_config(), {3, false, plan}, at::kFloat);
+        ADD_FAILURE() << "no error";
+      } catch (const std::exception& e) {
+        for (const std::string& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what();
+      }
+    };
+    bmt::nn::TpPlan plan = examples::gpt_tp_plan();
+    plan.modules["layers.*.mlp.fc"] = {bmt::nn::TpStyle::kColumn};
+    expect_error(plan, {"no module of the model matches 'layers.*.mlp.fc'", "layers.*.mlp.c_fc", "ln_f"});
+    plan = examples::gpt_tp_plan();
+    plan.modules["layers.*.ln_1"] = {bmt::nn::TpStyle::kColumn};
+    expect_error(plan, {"layers.0.ln_1", "not built through the plan"});
+    plan = examples::gpt_tp_plan();
+    plan.modules.erase("wte");
+    expect_error(plan, {"token embedding 'wte'", "vocab_embedding and vocab_head", "replicated"});
+  }, tp_init(2));
 }
 
 TEST(TensorParallelModels, LlamaGqaDp2Tp2SequenceParallelMatchesDense) { tp_matches_dense(llama_config(), 4, tp_init(2)); }

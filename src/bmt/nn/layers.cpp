@@ -39,7 +39,9 @@ EmbeddingImpl::EmbeddingImpl(int64_t n, int64_t d, at::ScalarType dtype, InitMet
   weight = register_parameter("weight", DistributedParameter({n, d}, dtype, std::move(weight_init)));
 }
 
-at::Tensor EmbeddingImpl::forward(const at::Tensor& ids) { return at::embedding(gathered(weight), ids); }
+at::Tensor EmbeddingImpl::forward(const at::Tensor& ids, const at::Tensor& w) {
+  return at::embedding(w.defined() ? w : gathered(weight), ids);
+}
 
 at::Tensor EmbeddingImpl::projection(const at::Tensor& x, const at::Tensor& w) {
   return at::linear(x, w.defined() ? w : gathered(weight));

@@ -43,7 +43,8 @@ class EmbeddingImpl : public torch::nn::Module {
  public:
   EmbeddingImpl(int64_t num_embeddings, int64_t dim, at::ScalarType dtype = at::kFloat,
                 InitMethod weight_init = init::normal(0.0, 0.02));
-  at::Tensor forward(const at::Tensor& ids);
+  // Reuses an already gathered weight when given (one gather for the lookup and the tied projection).
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& gathered_weight = {});
   // logits = x · weightᵀ (tied output projection), reusing an already gathered weight when given.
   at::Tensor projection(const at::Tensor& x, const at::Tensor& gathered_weight = {});
   int64_t num_embeddings, dim;
