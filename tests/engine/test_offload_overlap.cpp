@@ -70,9 +70,12 @@ bmt::StateDict train(Mode mode, int steps, AfterStep after = AfterStep::kNothing
     at::Tensor ids = at::randint(0, d.vocab, {4, 5}, at::TensorOptions().dtype(at::kLong));
     at::Tensor logits = model.forward(ids.narrow(1, 0, 4));
     at::cross_entropy_loss(logits.reshape({-1, d.vocab}), ids.narrow(1, 1, 4).reshape({-1})).backward();
-    if (overlap.active()) EXPECT_GT(std::dynamic_pointer_cast<bmt::optim::AdamOffloadOptimizer>(opt)->num_started(), 0u);
-    if (overlap.active()) EXPECT_TRUE(manager.step());
-    else opt->step();
+    if (overlap.active()) {
+      EXPECT_GT(std::dynamic_pointer_cast<bmt::optim::AdamOffloadOptimizer>(opt)->num_started(), 0u);
+      EXPECT_TRUE(manager.step());
+    } else {
+      opt->step();
+    }
     if (mode == Mode::kAsync) {
       // step() updated the parameters outside Blocks only; every Block parameter's update is pending, and those
       // with elements on this rank have not run (the pool's only worker is held, nobody waited for them).

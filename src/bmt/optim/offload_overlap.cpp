@@ -49,6 +49,10 @@ void OffloadOverlapState::on_block_reduced(Block& block) {
     for (const at::Tensor& p : block_params)
       if (owned_[k].count(p.unsafeGetTensorImpl())) mine.push_back(p);
     if (mine.empty()) continue;  // a Block kept on another optimizer (e.g. GPU Adam)
+    BMT_CHECK(seen_this_iteration_.insert({&block, k}).second, "overlap_offload_with_backward: a Block (",
+              block.module()->name(), ") reduced its gradients twice in one iteration, but the overlap starts "
+              "its update after the first reduction; accumulate micro-batches under bmt::GradSyncGuard (one reduction "
+              "per step), or remove the OffloadOverlap handle");
     // The Block's communicators (its parameters' sharding groups), so every rank holding a shard of the Block
     // takes the same decision. grads_have_inf_nan orders itself after the gradient reduction.
     std::vector<core::Communicator*> comms;
@@ -70,6 +74,7 @@ void OffloadOverlapState::on_block_reduced(Block& block) {
 }
 
 void OffloadOverlapState::end_iteration() {
+  seen_this_iteration_.clear();
   early_blocks_.clear();
   nonfinite_blocks_.clear();
   blocks_seen_ = 0;

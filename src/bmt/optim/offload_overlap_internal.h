@@ -5,8 +5,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 namespace bmt {
@@ -41,6 +43,7 @@ class OffloadOverlapState : public std::enable_shared_from_this<OffloadOverlapSt
   std::vector<std::unordered_set<const void*>> owned_;  // per optimizer: its parameters' TensorImpls
   int hook_id_ = -1;
   int64_t blocks_seen_ = 0;  // Blocks reduced so far in this iteration
+  std::set<std::pair<const Block*, size_t>> seen_this_iteration_;  // (Block, optimizer) checked this iteration
   std::vector<std::string> early_blocks_, nonfinite_blocks_;
   int64_t num_early_ = 0, num_nonfinite_ = 0;
 };
