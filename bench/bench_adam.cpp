@@ -31,7 +31,6 @@
 #include "bmt/core/kernels/adam.h"
 #include "bmt/core/kernels/thread_pool.h"
 #include "bmt/optim/adam_offload.h"
-#include "bmt/tensor_adapter.h"
 
 #ifndef BMT_SOURCE_DIR
 #define BMT_SOURCE_DIR "."

@@ -66,7 +66,6 @@
 
 #include "bench_env.h"
 #include "bmt/checkpoint/checkpoint.h"
-#include "bmt/checkpoint/comm_util.h"
 #include "bmt/checkpoint/file_io.h"
 #include "bmt/checkpoint/slice_plan.h"
 #include "bmt/distributed.h"
@@ -84,6 +83,20 @@ namespace ckio = bmt::checkpoint;  // file_io.h's POSIX helpers: std::filesystem
 using bench::json_num;
 using bench::json_str;
 constexpr int64_t kVocab = 50304;
+
+// Rank 0's string on every rank (its length, then its bytes, through the public collectives).
+std::string broadcast_from_rank0(const std::string& mine) {
+  const bmt::Config& cfg = bmt::config();
+  auto on_device = at::TensorOptions().device(cfg.device);
+  at::Tensor n = at::tensor({static_cast<int64_t>(mine.size())}, at::kLong).to(cfg.device);
+  n = bmt::distributed::raw_broadcast(n, 0, *cfg.comm);
+  const int64_t len = n.to(at::kCPU).item<int64_t>();
+  at::Tensor bytes = at::zeros({len}, on_device.dtype(at::kByte));
+  if (cfg.rank == 0 && len > 0)
+    bytes.copy_(at::from_blob(const_cast<char*>(mine.data()), {len}, at::TensorOptions().dtype(at::kByte)));
+  bytes = bmt::distributed::raw_broadcast(bytes, 0, *cfg.comm).to(at::kCPU).contiguous();
+  return std::string(reinterpret_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(len));
+}
 
 struct Args {
   std::string preset = "gpt-1.3b", dir, json_path, ops = "safetensors,pt,sharded,async";
@@ -289,7 +302,7 @@ struct Bench {
     } else if (rank == 0 && !ckio::path_exists(d)) {
       ckio::make_directory(d);
     }
-    dir = bmt::checkpoint::detail::broadcast_string(*cfg.comm, d, 0);
+    dir = broadcast_from_rank0(d);
     if (rank == 0)
       std::printf("bench_ckpt: %s | %s on %s x%d | %.1fM params, %s + fp32 Adam state | dir %s\n", config.c_str(),
                   shape.describe().c_str(), cfg.device.str().c_str(), world, static_cast<double>(num_params) / 1e6,

@@ -7,8 +7,9 @@
 //                  TransformerBlockList, bf16 parameters on GPUs (fp32 on CPUs), AdamOptimizer (or, with
 //                  --offload, AdamOffloadOptimizer) driven by an OptimManager without loss scaling (its global
 //                  inf/NaN check included, as in a real training loop; --raw-step calls the optimizer directly).
-//                  With --offload, a grad-ready hook starts each Block's CPU update during the backward
-//                  (AdamOffloadOptimizer::step_params); --no-overlap leaves every update to the step after it.
+//                  With --offload, OptimManager::overlap_offload_with_backward starts each Block's CPU update
+//                  during the backward (after checking its gradients for inf/NaN); --no-overlap leaves every
+//                  update to the step after it.
 // framework plain: bench/plain_gpt.h, the same GPT in plain LibTorch: fp32 parameters + bf16 autocast on CUDA,
 //                  fused AdamW (at::_fused_adamw_); --checkpointing recomputes every block.
 // Both: AdamW lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter; vocabulary 50304; random
@@ -67,7 +68,6 @@
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/optim_manager.h"
 #include "bmt/parameter.h"
-#include "bmt/stream_sync.h"
 #include "models/language_model.h"
 #include "models/presets.h"
 #include "plain_gpt.h"
@@ -133,7 +133,7 @@ struct Runner {
   int64_t num_params = 0, num_matmul_params = 0;
   std::string precision, optimizer;
   int world = 1, rank = 0;  // bmt under a launcher: every rank runs B sequences per step
-  std::shared_ptr<int64_t> early_started = std::make_shared<int64_t>(0);  // Blocks updated during the backward
+  std::function<int64_t()> early_started = [] { return int64_t{0}; };  // Blocks updated during the backward
   std::function<void()> finish = [] {};
 };
 
@@ -174,18 +174,16 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   // gpu_params: --offload-blocks keeps non-Block parameters on the GPU, --offload-gpu-blocks K also layers.0..K-1
   // (updated last in the backward, needed first in the next forward).
   std::vector<at::Tensor> params, gpu_params;
-  std::unordered_set<const bmt::Block*> offloaded_blocks;
   for (const auto& item : model->named_parameters()) {
     const at::Tensor& p = item.value();
-    const bmt::Block* block = bmt::meta_of(p).block;
-    bool on_gpu = a.offload_blocks_only && block == nullptr;
-    if (a.offload_gpu_blocks > 0 && block != nullptr && item.key().rfind("layers.", 0) == 0)
+    const bool in_block = bmt::in_block(p);
+    bool on_gpu = a.offload_blocks_only && !in_block;
+    if (a.offload_gpu_blocks > 0 && in_block && item.key().rfind("layers.", 0) == 0)
       on_gpu = std::stoll(item.key().substr(7)) < a.offload_gpu_blocks;
     if (on_gpu) {
       gpu_params.push_back(p);
     } else {
       params.push_back(p);
-      if (block != nullptr) offloaded_blocks.insert(block);
     }
   }
   if (a.offload && r.device.is_cuda()) {
@@ -206,25 +204,14 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   }
   bmt::optim::AdamOptions opts(kLr, {kBeta1, kBeta2}, kEps, kWeightDecay);
   std::shared_ptr<bmt::optim::BmtOptimizer> optimizer;
-  int hook = -1;
+  std::shared_ptr<bmt::optim::AdamOffloadOptimizer> offload;
   if (a.offload) {
-    auto offload = std::make_shared<bmt::optim::AdamOffloadOptimizer>(params, opts);
+    offload = std::make_shared<bmt::optim::AdamOffloadOptimizer>(params, opts);
     if (a.offload_grad_bf16) offload->set_grad_transfer_dtype(at::kBFloat16);
     offload->set_async_step(a.offload_async);
     optimizer = offload;
     r.optimizer = std::string("AdamOffloadOptimizer") + (a.offload_grad_bf16 ? " (bf16 gradient transfer)" : "") +
                   (a.offload_async ? " (asynchronous step)" : "");
-    if (!a.no_overlap) {
-      // Start each Block's CPU update as soon as its gradients are reduced, while the rest of the backward runs.
-      auto counter = r.early_started;
-      hook = bmt::add_grad_ready_hook([offload, counter, offloaded_blocks](bmt::Block& b) {
-        if (!offloaded_blocks.count(&b)) return;  // a Block kept on the GPU optimizer
-        bmt::wait_for_gradient_reduction();
-        offload->step_params(b.module()->parameters());
-        ++*counter;
-      });
-      r.optimizer += " (per-Block early start)";
-    }
   } else {
     optimizer = std::make_shared<bmt::optim::AdamOptimizer>(params, opts);
     r.optimizer = "AdamOptimizer";
@@ -240,6 +227,13 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
                        : " for Blocks + AdamOptimizer for the rest";
   }
   manager->add_optimizer(optimizer);
+  std::shared_ptr<bmt::optim::OffloadOverlap> overlap;
+  if (offload && !a.no_overlap) {
+    // Start each offloaded Block's CPU update as soon as its gradients are reduced, while the backward runs on.
+    overlap = std::make_shared<bmt::optim::OffloadOverlap>(manager->overlap_offload_with_backward());
+    r.early_started = [overlap] { return overlap->num_early_starts(); };
+    r.optimizer += " (per-Block early start)";
+  }
   if (a.raw_step) r.optimizer += " (raw step)";
   else r.optimizer += " + OptimManager";
 
@@ -250,8 +244,7 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     at::Tensor loss = model->loss(tokens.narrow(1, 0, T), tokens.narrow(1, 1, T));
     if (raw) {
       loss.backward();
-      bmt::wait_for_gradient_reduction();
-      optimizer->step(1.0);
+      optimizer->step(1.0);  // BmtOptimizer::step orders itself after the gradient reduction
       optimizer->zero_grad();
     } else {
       manager->backward(loss);
@@ -260,8 +253,8 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     }
     return loss.detach();
   };
-  r.finish = [hook] {
-    if (hook >= 0) bmt::remove_grad_ready_hook(hook);
+  r.finish = [overlap] {
+    if (overlap) overlap->remove();
     bmt::finalize();
   };
   return r;
@@ -363,7 +356,7 @@ int run(const Args& a) {
     sync();
     times.push_back(now_s() - t0);
   }
-  const int64_t early_started = *r.early_started;  // before the profiled steps add theirs
+  const int64_t early_started = r.early_started();  // before the profiled steps add theirs
   std::string profile_json = "null";
   if (a.profile) {
     // After the timed steps, so the profiler's overhead never touches the figures above.

@@ -21,7 +21,7 @@
 #include "bmt/core/error.h"
 #include "bmt/distributed.h"
 #include "bmt/init.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>

@@ -8,7 +8,7 @@
 
 #include <string>
 
-#include "bmt/state_dict.h"
+#include "bmt/module_state.h"
 #include "export/safetensors.h"
 #include "models/language_model.h"
 

@@ -1,7 +1,7 @@
 #include "export/safetensors.h"
 
-#include "bmt/checkpoint/json.h"
-#include "bmt/checkpoint/safetensors_format.h"
+#include "bmt/checkpoint/json_internal.h"
+#include "bmt/checkpoint/safetensors_format_internal.h"
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
 

@@ -17,7 +17,7 @@
 #include "bmt/parameter.h"
 #include "bmt/pending_update.h"
 #include "bmt/stream_sync.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 namespace bmt {
 namespace {
@@ -127,7 +127,7 @@ Block::~Block() {
   }
   for (auto& s : slots_) {
     if (ParamMeta* m = find_meta(s->param)) m->block = nullptr;
-    clear_main_grad(s->param);
+    forget_param(s->param);
   }
   memory::add_shard_bytes(-shard_nbytes());
   memory::add_grad_bytes(-grad_nbytes());
@@ -255,8 +255,8 @@ void Block::wait_pending_updates() {
 void Block::gather_buffers() {
   if (buffers_ready_) return;
   wait_pending_updates();  // host, and on CUDA the compute stream waits for the copies back (ordered before comm)
-  auto calc = compute_stream();
-  auto comm_s = comm_stream();
+  auto calc = calc_stream();
+  auto comm_s = load_stream();
   stream_wait(comm_s, calc);  // the shards may have just been updated by the optimizer
   for (auto& g : groups_) {
     const int ws = g->comm->size();
@@ -286,7 +286,7 @@ void Block::gather() {
 }
 
 void Block::point_at_full() {
-  auto calc = compute_stream();
+  auto calc = calc_stream();
   for (auto& g : groups_) {
     if (g->ready && calc) {
       g->ready->block(*calc);
@@ -458,7 +458,7 @@ at::Tensor Block::gather_param_copy(const at::Tensor& param) {
     if (!s->param.is_same(param)) continue;
     bool had = buffers_ready_;
     gather_buffers();
-    auto calc = compute_stream();
+    auto calc = calc_stream();
     Group& g = *groups_[s->group];
     if (g.ready && calc) {
       g.ready->block(*calc);

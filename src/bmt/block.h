@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "bmt/core/communicator.h"
+#include "bmt/parameter.h"
 
 namespace bmt {
 
@@ -49,7 +50,7 @@ using CallContext = std::shared_ptr<void>;
 
 class TransformerBlockList;
 
-class Block : public std::enable_shared_from_this<Block> {
+class Block : public ParamOwner, public std::enable_shared_from_this<Block> {
  public:
   Block(std::shared_ptr<torch::nn::Module> module, BlockForward forward, BlockOptions options = {});
   ~Block();
@@ -65,7 +66,7 @@ class Block : public std::enable_shared_from_this<Block> {
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   int zero_level() const { return zero_level_; }
   bool use_checkpoint() const { return options_.use_checkpoint; }
-  bool is_gathered() const { return gathered_; }
+  bool is_gathered() const override { return gathered_; }
   void train(bool on = true) { module_->train(on); }
   void eval() { module_->eval(); }
 
@@ -85,9 +86,9 @@ class Block : public std::enable_shared_from_this<Block> {
   // reference (ZeRO-3 without checkpointing frees it after forward and refills it before backward): 0 after release.
   int64_t gathered_storage_nbytes() const;
   // Full value of one of this block's parameters (a copy; collective over the block's communicator).
-  at::Tensor gather_param_copy(const at::Tensor& param);
+  at::Tensor gather_param_copy(const at::Tensor& param) override;
   // Writes this rank's part of `full` into one of this block's parameters.
-  void scatter_param(const at::Tensor& param, const at::Tensor& full);
+  void scatter_param(const at::Tensor& param, const at::Tensor& full) override;
 
   // Called by the autograd function (internal).
   struct CallState;
@@ -119,7 +120,6 @@ class Block : public std::enable_shared_from_this<Block> {
   bool buffers_ready_ = false;
   at::Tensor anchor_;  // a grad-requiring scalar so the backward runs even when no input requires grad
   Block* prev_in_list_ = nullptr;  // the block whose backward follows ours (prefetched during our backward)
-  friend void flush_all_deferred_gradients();
 };
 
 // Defers gradient reduction while alive (gradient accumulation over micro-batches without communication):
@@ -135,7 +135,7 @@ bool grad_sync_enabled();
 // Hooks called (in the backward, on the host) right after a Block reduced its gradients into its grad shards.
 // On GPUs the reduction was queued on the comm stream: a hook that reads the gradients orders itself after it
 // (wait_for_gradient_reduction()). Used to start an offloaded optimizer's update of that Block while the rest of
-// the backward runs (AdamOffloadOptimizer::step_params). Returns an id for remove_grad_ready_hook.
+// the backward runs (OptimManager::overlap_offload_with_backward). Returns an id for remove_grad_ready_hook.
 using GradReadyHook = std::function<void(Block&)>;
 int add_grad_ready_hook(GradReadyHook hook);
 void remove_grad_ready_hook(int id);

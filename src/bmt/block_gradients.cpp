@@ -7,11 +7,11 @@
 
 #include "bmt/block.h"
 #include "bmt/block_internal.h"
-#include "bmt/core/kernels/accumulate.h"
+#include "bmt/core/kernels/accumulate_internal.h"
 #include "bmt/memory_stats.h"
 #include "bmt/parameter.h"
 #include "bmt/stream_sync.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 namespace bmt {
 namespace {
@@ -62,8 +62,8 @@ at::Tensor Block::packed_gradient(const Group& g, size_t gi, const std::vector<a
 }
 
 void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
-  auto calc = compute_stream();
-  auto comm_s = comm_stream();
+  auto calc = calc_stream();
+  auto comm_s = load_stream();
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = *groups_[gi];
     bool any = false;

@@ -3,7 +3,7 @@
 #include <torch/autograd.h>
 
 #include "bmt/core/error.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 namespace bmt::distributed {
 namespace {

@@ -1,4 +1,4 @@
-#include "bmt/gloo_communicator.h"
+#include "bmt/gloo_communicator_internal.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "bmt/core/error.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 namespace bmt {
 

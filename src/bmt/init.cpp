@@ -11,15 +11,15 @@
 #include <thread>
 
 #include "bmt/core/error.h"
-#include "bmt/gloo_communicator.h"
-#include "bmt/launch_env.h"
-#include "bmt/torch_store.h"
+#include "bmt/gloo_communicator_internal.h"
+#include "bmt/launch_env_internal.h"
+#include "bmt/torch_store_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "bmt/core/nccl_communicator.h"
+#include "bmt/core/nccl_communicator_internal.h"
 #endif
 
 namespace bmt {

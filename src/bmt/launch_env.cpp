@@ -1,4 +1,4 @@
-#include "bmt/launch_env.h"
+#include "bmt/launch_env_internal.h"
 
 #include <cctype>
 #include <cstdlib>

@@ -1,5 +1,6 @@
-// Per-parameter facts the optimizers and gradient utilities need, keyed by the parameter's TensorImpl
-// (stable for the parameter's life, also across set_data):
+// Per-parameter facts the optimizers and gradient utilities need. They live in one record per tensor together with
+// a DistributedParameter's ParamMeta (parameter.h), keyed by the tensor's TensorImpl (stable for the parameter's
+// life, also across set_data; tensor_registry.h):
 //   main_grad    the gradient the optimizer must read (e.g. an fp32 shard gradient of a bf16 shard parameter);
 //                when none is registered, the parameter's own .grad() is used.
 //   replication  how many ranks of the world hold an identical copy of this parameter's local elements:
@@ -12,7 +13,6 @@
 namespace bmt {
 
 void set_main_grad(const at::Tensor& param, const at::Tensor& grad);
-void clear_main_grad(const at::Tensor& param);
 // The gradient to use for `param` (may be undefined when nothing was accumulated).
 at::Tensor main_grad(const at::Tensor& param);
 
@@ -20,7 +20,8 @@ void set_replication(const at::Tensor& param, int copies);
 // Registered value, else the world size (a plain parameter is replicated on every rank).
 int replication(const at::Tensor& param);
 
-// Forgets everything about a parameter (called when a Block is destroyed).
+// Forgets the main grad and the replication of a parameter (a Block being destroyed; tests). A
+// DistributedParameter keeps its ParamMeta.
 void forget_param(const at::Tensor& param);
 
 }  // namespace bmt

@@ -3,31 +3,17 @@
 #include <torch/autograd.h>
 #include <torch/nn/init.h>
 
-
-#include "bmt/block.h"
 #include "bmt/core/error.h"
 #include "bmt/distributed.h"
 #include "bmt/init.h"
 #include "bmt/param_registry.h"
-#include "bmt/pending_update.h"
-#include "bmt/tensor_adapter.h"
-#include "bmt/tensor_registry.h"
+#include "bmt/param_registry_internal.h"
+#include "bmt/tensor_adapter_internal.h"
 
 namespace bmt {
 namespace {
 
-// Metadata lives beside the tensor, keyed by its TensorImpl (see tensor_registry.h for the lifetime rules).
-TensorRegistry<std::shared_ptr<ParamMeta>>& metas() {
-  static TensorRegistry<std::shared_ptr<ParamMeta>> registry;
-  return registry;
-}
-
 int64_t partition_numel(int64_t full_numel, int world) { return (full_numel + world - 1) / world; }
-
-void register_meta(const at::Tensor& t, std::shared_ptr<ParamMeta> meta) {
-  metas().sweep();
-  metas().update(t, [&](std::shared_ptr<ParamMeta>& m) { m = std::move(meta); });
-}
 
 at::Tensor make_shard(const ParamMeta& m, bool requires_grad) {
   at::Tensor t = at::zeros({m.shard_end - m.shard_begin},
@@ -203,9 +189,9 @@ void adopt_distributed_parameter(const at::Tensor& target, const at::Tensor& cre
 
 bool is_distributed_param(const at::Tensor& param) { return find_meta(param) != nullptr; }
 
-ParamMeta* find_meta(const at::Tensor& param) {
-  if (!param.defined()) return nullptr;
-  return metas().read(param, [](const std::shared_ptr<ParamMeta>* m) { return m ? m->get() : nullptr; });
+bool in_block(const at::Tensor& param) {
+  const ParamMeta* m = find_meta(param);
+  return m != nullptr && m->block != nullptr;
 }
 
 ParamMeta& meta_of(const at::Tensor& param) {
@@ -286,21 +272,6 @@ void scatter_logical(const at::Tensor& param, const at::Tensor& logical) {
             " but the parameter's logical shape is ", at::IntArrayRef(want));
   if (!m.is_tp_split()) return scatter_full(param, logical);
   scatter_full(param, piece_of_logical(m, logical, m.tp_rank).contiguous());
-}
-
-void init_parameters(torch::nn::Module& module) {
-  wait_all_pending_updates();  // an asynchronous optimizer update would overwrite the new values
-  at::NoGradGuard guard;
-  for (auto& item : module.named_parameters(/*recurse=*/true)) {
-    const at::Tensor& p = item.value();
-    ParamMeta* m = find_meta(p);
-    if (!m || !m->init_method) continue;
-    // The whole logical tensor on every rank, so the random stream matches the unsplit model's.
-    at::Tensor full = at::empty(m->logical_shape(), at::TensorOptions().dtype(m->dtype).device(config().device));
-    m->init_method(full);
-    scatter_logical(p, full);
-  }
-  seed_per_data_parallel_rank();
 }
 
 at::Tensor ensure_main_grad(const at::Tensor& param) {

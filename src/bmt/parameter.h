@@ -31,8 +31,22 @@
 
 namespace bmt {
 
-class Block;
 class PendingUpdate;
+
+// What parameter.cpp asks of the owner of a parameter's storage (a Block, which implements it). The owner
+// packs its parameters into flat shards and gathers them while it runs.
+class ParamOwner {
+ public:
+  // The owner's parameters currently point at their full tensors.
+  virtual bool is_gathered() const = 0;
+  // Full value of one of the owner's parameters (a copy; collective over the owner's communicator).
+  virtual at::Tensor gather_param_copy(const at::Tensor& param) = 0;
+  // Writes this rank's part of `full` into one of the owner's parameters.
+  virtual void scatter_param(const at::Tensor& param, const at::Tensor& full) = 0;
+
+ protected:
+  ~ParamOwner() = default;
+};
 
 // Fills a full-size tensor in place; runs once per parameter in init_parameters().
 using InitMethod = std::function<void(at::Tensor& full)>;
@@ -63,7 +77,7 @@ struct ParamMeta {
   int tp_size = 1;        // number of pieces (config().tp_size for split parameters, else 1)
   int tp_rank = 0;        // the piece held here
   TpGradReduce tp_grad_reduce = TpGradReduce::kNone;  // replicated over tp > 1: how gradient copies combine
-  Block* block = nullptr;  // the Block owning this parameter's storage, if any
+  ParamOwner* block = nullptr;  // the Block owning this parameter's storage, if any
   // An asynchronous optimizer update still running on this parameter (see pending_update.h, the only code that
   // touches it, under its lock).
   std::shared_ptr<PendingUpdate> pending_update;
@@ -108,6 +122,8 @@ bool is_distributed_param(const at::Tensor& param);
 // Throws when `param` is not a DistributedParameter.
 ParamMeta& meta_of(const at::Tensor& param);
 ParamMeta* find_meta(const at::Tensor& param);
+// True when a Block owns the parameter's storage (false for plain tensors and standalone DistributedParameters).
+bool in_block(const at::Tensor& param);
 
 // Differentiable: the full tensor (full_shape). If the parameter is currently gathered by its Block, returns it
 // as is; otherwise all-gathers it once (call once per forward and reuse the result). The backward
@@ -130,13 +146,14 @@ at::Tensor piece_of_logical(const ParamMeta& m, const at::Tensor& logical, int t
 // Internal (Blocks, gathered()): all-reduces a reduced gradient shard over config().tp_comm as `reduce` says, on
 // the tensor's current stream (no-op for kNone or tp_size 1).
 void reduce_over_tp(at::Tensor& grad_shard, TpGradReduce reduce);
-// Ranks of the world holding an identical copy of this parameter's local elements (see param_registry.h).
+// Ranks of the world holding an identical copy of this parameter's local elements (bmt::replication).
 int replication_of(const ParamMeta& m);
 
 // Initialises every DistributedParameter of `module` (recursively, in named_parameters order) with its
 // init_method applied to a full-size tensor generated on this rank, keeping only the local shard, so the
 // result is bit-identical to initialising the unwrapped model with the same seed. At most one full parameter
-// exists at a time. Then reseeds per data-parallel rank (seed_per_data_parallel_rank).
+// exists at a time. Then reseeds per data-parallel rank (seed_per_data_parallel_rank). Implemented with
+// state_dict / load_state_dict in state_dict.cpp (module level).
 void init_parameters(torch::nn::Module& module);
 
 // The fp32 (or param-dtype, when fp32) gradient shard of a DistributedParameter, allocated zeroed on first use.

@@ -6,14 +6,14 @@
 
 namespace bmt {
 
-std::optional<c10::Stream> compute_stream() {
+std::optional<c10::Stream> calc_stream() {
   const Config& cfg = config();
   if (!cfg.device.is_cuda()) return std::nullopt;
   c10::impl::VirtualGuardImpl impl(cfg.device.type());
   return impl.getStream(cfg.device);
 }
 
-std::optional<c10::Stream> comm_stream() { return config().load_stream; }
+std::optional<c10::Stream> load_stream() { return config().load_stream; }
 
 void stream_wait(const std::optional<c10::Stream>& waiter, const std::optional<c10::Stream>& producer) {
   if (!waiter || !producer || *waiter == *producer) return;
@@ -24,7 +24,7 @@ void stream_wait(const std::optional<c10::Stream>& waiter, const std::optional<c
 
 void wait_for_gradient_reduction() {
   if (!is_initialized()) return;  // nothing distributed yet: no comm stream
-  stream_wait(compute_stream(), comm_stream());
+  stream_wait(calc_stream(), load_stream());
 }
 
 }  // namespace bmt

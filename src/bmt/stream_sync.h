@@ -10,13 +10,13 @@
 
 namespace bmt {
 
-// The current stream of the configured device, or nullopt on CPU.
-std::optional<c10::Stream> compute_stream();
-// The ZeRO communication stream (config().load_stream), or nullopt on CPU.
-std::optional<c10::Stream> comm_stream();
+// BMTrain's names: calc_stream = the current stream of the configured device (nullopt on CPU); load_stream = the
+// ZeRO communication stream config().load_stream (nullopt on CPU).
+std::optional<c10::Stream> calc_stream();
+std::optional<c10::Stream> load_stream();
 // Makes `waiter` wait for the work queued so far on `producer`.
 void stream_wait(const std::optional<c10::Stream>& waiter, const std::optional<c10::Stream>& producer);
-// Makes the compute stream wait for every gradient reduction queued so far (call before reading gradients).
+// Makes the calc stream wait for every gradient reduction queued so far (call before reading gradients).
 void wait_for_gradient_reduction();
 
 }  // namespace bmt

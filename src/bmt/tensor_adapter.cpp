@@ -1,4 +1,4 @@
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>

@@ -1,4 +1,4 @@
-#include "bmt/torch_store.h"
+#include "bmt/torch_store_internal.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>

@@ -18,7 +18,7 @@
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/lr_scheduler.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/state_dict.h"
+#include "bmt/module_state.h"
 #include "run_ranks.h"
 #include "tiny_model.h"
 

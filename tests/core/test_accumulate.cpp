@@ -6,8 +6,8 @@
 #include <limits>
 
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/accumulate.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/core/kernels/accumulate_internal.h"
+#include "bmt/tensor_adapter_internal.h"
 
 namespace k = bmt::core::kernels;
 

@@ -1,34 +1,35 @@
-// Block-level overlap of the offloaded optimizer: a grad-ready hook starts AdamOffloadOptimizer's update of each
-// Block as soon as its gradients are reduced (during the rest of the backward). The result must equal
-// AdamOptimizer's step after the full backward, bit for bit on CPU ranks (same CPU kernel).
+// Block-level overlap of the offloaded optimizer: OptimManager::overlap_offload_with_backward() starts
+// AdamOffloadOptimizer's update of each Block as soon as its gradients are reduced (during the rest of the
+// backward). The result must equal AdamOptimizer's step after the full backward, bit for bit on CPU ranks (same
+// CPU kernel). A Block whose gradients hold inf/NaN is never started early, and step() then refuses to skip half a
+// step.
 // With the asynchronous step, step() returns while the Blocks' updates still run (shown deterministically with a
 // one-worker pool whose worker is held: queued updates then run only when somebody waits for them); the next
 // forward waits Block by Block, state_dict waits for everything.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <stdexcept>
+#include <string>
 
 #include "bmt/core/error.h"
+#include "bmt/init.h"
+#include "bmt/module_state.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
+#include "bmt/optim/optim_manager.h"
+#include "bmt/param_registry.h"
 #include "bmt/parameter.h"
 #include "bmt/pending_update.h"
-#include "bmt/state_dict.h"
-#include "bmt/stream_sync.h"
 #include "gated_pool.h"
 #include "run_ranks.h"
 #include "tiny_model.h"
 
 namespace {
 
-enum class Mode { kAdam, kEarly, kAsync };
+enum class Mode { kAdam, kOffload, kEarly, kAsync };
 // What the asynchronous run does between step() and zero_grad().
 enum class AfterStep { kNothing, kForwardFirstBlock, kStateDict };
-
-bool in_block(const at::Tensor& p) {
-  const bmt::ParamMeta* m = bmt::find_meta(p);
-  return m != nullptr && m->block != nullptr;
-}
 
 bool still_running(const at::Tensor& p) {
   auto u = bmt::find_pending_update(p);
@@ -44,32 +45,37 @@ bmt::StateDict train(Mode mode, int steps, AfterStep after = AfterStep::kNothing
   bmt::optim::AdamOptions o(1e-2);
   o.weight_decay(0.01);
   std::shared_ptr<bmt::optim::AdamBase> opt;
-  int hook = -1;
-  int started_blocks = 0;
   if (mode != Mode::kAdam) {
     auto off = std::make_shared<bmt::optim::AdamOffloadOptimizer>(model.parameters(), o);
     if (mode == Mode::kAsync) {
       off->set_thread_pool(gated.pool);
       off->set_async_step(true);
     }
-    hook = bmt::add_grad_ready_hook([off, &started_blocks](bmt::Block& b) {
-      bmt::wait_for_gradient_reduction();
-      off->step_params(b.module()->parameters());
-      ++started_blocks;
-    });
     opt = off;
   } else {
     opt = std::make_shared<bmt::optim::AdamOptimizer>(model.parameters(), o);
   }
+  // grad_scale 1: the plain runs call the optimizer on the same unscaled loss.
+  bmt::optim::OptimManagerOptions mo;
+  mo.grad_scale = 1;
+  bmt::optim::OptimManager manager(mo);
+  manager.add_optimizer(opt);
+  bmt::optim::OffloadOverlap overlap;
+  if (mode == Mode::kEarly || mode == Mode::kAsync) overlap = manager.overlap_offload_with_backward();
   std::vector<at::Tensor> block_params, other_params;
-  for (auto& p : model.parameters()) (in_block(p) ? block_params : other_params).push_back(p);
+  for (auto& p : model.parameters()) (bmt::in_block(p) ? block_params : other_params).push_back(p);
   bmt::StateDict after_step;
   for (int s = 0; s < steps; ++s) {
     if (mode == Mode::kAsync) gated.close();
     at::Tensor ids = at::randint(0, d.vocab, {4, 5}, at::TensorOptions().dtype(at::kLong));
     at::Tensor logits = model.forward(ids.narrow(1, 0, 4));
     at::cross_entropy_loss(logits.reshape({-1, d.vocab}), ids.narrow(1, 1, 4).reshape({-1})).backward();
-    opt->step();
+    if (overlap.active()) {
+      EXPECT_GT(std::dynamic_pointer_cast<bmt::optim::AdamOffloadOptimizer>(opt)->num_started(), 0u);
+      EXPECT_TRUE(manager.step());
+    } else {
+      opt->step();
+    }
     if (mode == Mode::kAsync) {
       // step() updated the parameters outside Blocks only; every Block parameter's update is pending, and those
       // with elements on this rank have not run (the pool's only worker is held, nobody waited for them).
@@ -93,14 +99,15 @@ bmt::StateDict train(Mode mode, int steps, AfterStep after = AfterStep::kNothing
       }
       gated.open();
     }
-    opt->zero_grad();
+    if (overlap.active()) manager.zero_grad();
+    else opt->zero_grad();
     if (mode == Mode::kAsync) {
       EXPECT_EQ(bmt::num_pending_updates(), 0u);  // CPU parameters: zero_grad waited
     }
   }
-  if (hook >= 0) {
-    bmt::remove_grad_ready_hook(hook);
-    EXPECT_EQ(started_blocks, steps * static_cast<int>(d.layers));
+  if (overlap.active()) {
+    EXPECT_EQ(overlap.num_early_starts(), steps * d.layers);
+    EXPECT_EQ(overlap.num_nonfinite_blocks(), 0);
   }
   return after == AfterStep::kStateDict ? after_step : bmt::state_dict(model);
 }
@@ -123,6 +130,16 @@ TEST(OffloadOverlap, EarlyBlockUpdatesEqualAdamOptimizer) {
     at::manual_seed(99);
     auto early = train(Mode::kEarly, 3);
     expect_equal(ref, early);
+  });
+}
+
+TEST(OffloadOverlap, OverlapViaManagerIsBitIdenticalToAPlainOffloadStep) {
+  bmt::testing::run_ranks(2, [] {
+    at::manual_seed(42);
+    auto plain = train(Mode::kOffload, 3);
+    at::manual_seed(42);
+    auto early = train(Mode::kEarly, 3);
+    expect_equal(plain, early);
   });
 }
 
@@ -154,6 +171,122 @@ TEST(OffloadOverlap, StateDictRightAfterAsyncStepHasTheUpdatedValues) {
     at::manual_seed(11);
     auto async = train(Mode::kAsync, 2, AfterStep::kStateDict);
     expect_equal(ref, async);
+  });
+}
+
+// One forward + backward of the tiny model on fixed data.
+void backward(tiny::Model& model, const tiny::Dims& d) {
+  at::Tensor ids = at::arange(20, at::TensorOptions().dtype(at::kLong)).remainder(d.vocab).reshape({4, 5});
+  at::Tensor logits = model.forward(ids.narrow(1, 0, 4));
+  at::cross_entropy_loss(logits.reshape({-1, d.vocab}), ids.narrow(1, 1, 4).reshape({-1})).backward();
+}
+
+TEST(OffloadOverlap, TheHandleRemovesTheHook) {
+  bmt::testing::run_ranks(2, [] {
+    at::manual_seed(3);
+    tiny::Dims d;
+    tiny::Model model(d, {}, true);
+    bmt::init_parameters(model);
+    auto off = std::make_shared<bmt::optim::AdamOffloadOptimizer>(model.parameters());
+    bmt::optim::OptimManager manager;
+    manager.add_optimizer(off);
+    {
+      bmt::optim::OffloadOverlap first = manager.overlap_offload_with_backward();
+      EXPECT_THROW(manager.overlap_offload_with_backward(), bmt::core::Error);  // one at a time
+      bmt::optim::OffloadOverlap moved = std::move(first);
+      EXPECT_FALSE(first.active());
+      EXPECT_TRUE(moved.active());
+      backward(model, d);
+      EXPECT_GT(off->num_started(), 0u);
+      manager.step();
+      manager.zero_grad();
+      moved.remove();
+      EXPECT_FALSE(moved.active());
+      EXPECT_EQ(moved.num_early_starts(), d.layers);  // counters outlive remove()
+      backward(model, d);
+      EXPECT_EQ(off->num_started(), 0u);
+      manager.step();
+      manager.zero_grad();
+    }
+    {
+      bmt::optim::OffloadOverlap scoped = manager.overlap_offload_with_backward();  // the removed one is gone
+    }
+    backward(model, d);  // the destructor removed the hook
+    EXPECT_EQ(off->num_started(), 0u);
+    manager.step();
+  });
+}
+
+TEST(OffloadOverlap, RefusedWithDynamicLossScalingOrWithoutAnOffloadOptimizer) {
+  bmt::testing::run_ranks(1, [] {
+    tiny::Dims d;
+    tiny::Model model(d, {}, true);
+    bmt::optim::OptimManagerOptions mo;
+    mo.loss_scale = 1024;
+    bmt::optim::OptimManager scaled(mo);
+    scaled.add_optimizer(std::make_shared<bmt::optim::AdamOffloadOptimizer>(model.parameters()));
+    try {
+      scaled.overlap_offload_with_backward();
+      ADD_FAILURE() << "no error with loss scaling";
+    } catch (const bmt::core::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("loss scaling"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("loss_scale = 0"), std::string::npos) << e.what();  // the fix
+    }
+    bmt::optim::OptimManager gpu_only;
+    gpu_only.add_optimizer(std::make_shared<bmt::optim::AdamOptimizer>(model.parameters()));
+    EXPECT_THROW(gpu_only.overlap_offload_with_backward(), bmt::core::Error);
+  });
+}
+
+// An inf written into one rank's shard of one Block's reduced gradients (by a grad-ready hook that runs before the
+// overlap's): that Block is not updated early on any rank, the others are, and step() raises instead of skipping.
+TEST(OffloadOverlap, InfInOneBlockIsNotUpdatedEarlyAndStepRefusesAHalfAppliedStep) {
+  bmt::testing::run_ranks(2, [] {
+    at::manual_seed(3);
+    tiny::Dims d;
+    tiny::Model model(d, {}, true);
+    bmt::init_parameters(model);
+    const bmt::StateDict before = bmt::state_dict(model);
+    bmt::Block* poisoned = &(*model.list)[1];
+    const int poison = bmt::add_grad_ready_hook([poisoned](bmt::Block& b) {
+      if (&b != poisoned || bmt::rank() != 0) return;
+      for (auto& p : b.module()->parameters()) {
+        at::Tensor g = bmt::main_grad(p);
+        if (g.defined() && g.numel() > 0) {
+          g.view(-1).narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
+          return;
+        }
+      }
+    });
+    auto off = std::make_shared<bmt::optim::AdamOffloadOptimizer>(model.parameters());
+    bmt::optim::OptimManager manager;
+    manager.add_optimizer(off);
+    bmt::optim::OffloadOverlap overlap = manager.overlap_offload_with_backward();
+    backward(model, d);
+    EXPECT_EQ(overlap.num_nonfinite_blocks(), 1);
+    EXPECT_EQ(overlap.num_early_starts(), d.layers - 1);
+    for (auto& p : poisoned->module()->parameters()) EXPECT_EQ(off->find_state(p), nullptr);
+    for (auto& p : (*model.list)[0].module()->parameters()) EXPECT_NE(off->find_state(p), nullptr);
+    try {
+      manager.step();
+      ADD_FAILURE() << "step() skipped half a step silently";
+    } catch (const bmt::core::Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("diverged"), std::string::npos) << what;
+      EXPECT_NE(what.find("2 Block(s) were already updated"), std::string::npos) << what;
+      EXPECT_NE(what.find("withheld for inf/NaN: #1"), std::string::npos) << what;  // backward order: 2, 1, 0
+      EXPECT_NE(what.find("checkpoint"), std::string::npos) << what;
+    }
+    bmt::remove_grad_ready_hook(poison);
+    const bmt::StateDict after = bmt::state_dict(model);
+    for (const auto& kv : before) {
+      const bool changed = !at::equal(kv.second, after.at(kv.first));
+      const bool early = kv.first.rfind("layers.0.", 0) == 0 || kv.first.rfind("layers.2.", 0) == 0;
+      // Biases start at 0 and LayerNorm at 1, but one Adam step moves every element with a nonzero gradient.
+      if (early) EXPECT_TRUE(changed) << kv.first;
+      else EXPECT_FALSE(changed) << kv.first;  // the poisoned Block and the parameters outside Blocks
+    }
+    EXPECT_EQ(off->num_started(), 0u);  // the iteration ended: the run may go on from a loaded checkpoint
   });
 }
 

@@ -8,7 +8,7 @@
 #include "bmt/memory_stats.h"
 #include "bmt/optim/adam.h"
 #include "bmt/param_registry.h"
-#include "bmt/state_dict.h"
+#include "bmt/module_state.h"
 #include "run_ranks.h"
 #include "tiny_model.h"
 

@@ -7,7 +7,7 @@
 #include <fstream>
 
 #include "bmt/init.h"
-#include "bmt/state_dict.h"
+#include "bmt/module_state.h"
 #include "export/hf_gpt2.h"
 #include "models/gpt.h"
 

@@ -5,7 +5,7 @@
 
 #include "bmt/init.h"
 #include "bmt/param_registry.h"
-#include "bmt/state_dict.h"
+#include "bmt/module_state.h"
 #include "models/gpt.h"
 #include "run_ranks.h"
 

@@ -8,10 +8,10 @@
 #include <string>
 #include <string_view>
 
-#include "bmt/checkpoint/json.h"
+#include "bmt/checkpoint/json_internal.h"
 #include "bmt/checkpoint/metadata.h"
-#include "bmt/checkpoint/pt_pickle.h"
-#include "bmt/checkpoint/safetensors_format.h"
+#include "bmt/checkpoint/pt_pickle_internal.h"
+#include "bmt/checkpoint/safetensors_format_internal.h"
 #include "bmt/core/error.h"
 
 using namespace bmt::checkpoint;

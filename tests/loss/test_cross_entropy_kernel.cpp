@@ -12,7 +12,7 @@
 
 #include "bmt/core/dtype.h"
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/cross_entropy.h"
+#include "bmt/core/kernels/cross_entropy_internal.h"
 #include "bmt/core/kernels/thread_pool.h"
 
 namespace k = bmt::core::kernels;

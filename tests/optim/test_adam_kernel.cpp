@@ -11,7 +11,7 @@
 #include "bmt/core/dtype.h"
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/adam.h"
-#include "bmt/core/kernels/has_inf_nan.h"
+#include "bmt/core/kernels/has_inf_nan_internal.h"
 #include "bmt/core/kernels/thread_pool.h"
 #include "element_bytes.h"
 

@@ -1,3 +1,3 @@
 #pragma once
 #include <gtest/gtest.h>
-#include "bmt/pch.h"
+#include "bmt/pch_internal.h"

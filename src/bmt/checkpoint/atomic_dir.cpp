@@ -1,4 +1,4 @@
-#include "bmt/checkpoint/atomic_dir.h"
+#include "bmt/checkpoint/atomic_dir_internal.h"
 
 #include <vector>
 

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "bmt/checkpoint/atomic_dir.h"
-#include "bmt/checkpoint/crc32.h"
+#include "bmt/checkpoint/atomic_dir_internal.h"
+#include "bmt/checkpoint/crc32_internal.h"
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/core/error.h"
 

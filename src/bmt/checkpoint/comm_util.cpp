@@ -1,11 +1,11 @@
-#include "bmt/checkpoint/comm_util.h"
+#include "bmt/checkpoint/comm_util_internal.h"
 
 #include <cstring>
 #include <map>
 
 #include "bmt/core/error.h"
 #include "bmt/init.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 namespace bmt::checkpoint::detail {
 namespace {

@@ -5,8 +5,8 @@
 #include <set>
 #include <unordered_map>
 
-#include "bmt/checkpoint/comm_util.h"
-#include "bmt/checkpoint/json.h"
+#include "bmt/checkpoint/comm_util_internal.h"
+#include "bmt/checkpoint/json_internal.h"
 #include "bmt/checkpoint/slice_plan.h"
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"

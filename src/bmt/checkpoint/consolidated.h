@@ -25,7 +25,7 @@
 #include <map>
 #include <string>
 
-#include "bmt/state_dict.h"
+#include "bmt/module_state.h"
 
 namespace bmt {
 

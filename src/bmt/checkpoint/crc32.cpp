@@ -1,4 +1,4 @@
-#include "bmt/checkpoint/crc32.h"
+#include "bmt/checkpoint/crc32_internal.h"
 
 #include <array>
 #include <cstring>

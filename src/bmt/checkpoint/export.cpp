@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "bmt/checkpoint/checkpoint_reader.h"
-#include "bmt/checkpoint/crc32.h"
+#include "bmt/checkpoint/crc32_internal.h"
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
 #include "bmt/checkpoint/tp_layout.h"

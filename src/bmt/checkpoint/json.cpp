@@ -1,4 +1,4 @@
-#include "bmt/checkpoint/json.h"
+#include "bmt/checkpoint/json_internal.h"
 
 #include <cmath>
 #include <cstdio>

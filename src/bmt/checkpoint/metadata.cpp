@@ -5,8 +5,8 @@
 #include <set>
 #include <unordered_map>
 
-#include "bmt/checkpoint/crc32.h"
-#include "bmt/checkpoint/json.h"
+#include "bmt/checkpoint/crc32_internal.h"
+#include "bmt/checkpoint/json_internal.h"
 #include "bmt/core/error.h"
 
 namespace bmt::checkpoint {

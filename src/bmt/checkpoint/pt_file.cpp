@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "bmt/checkpoint/file_io.h"
-#include "bmt/checkpoint/pt_pickle.h"
+#include "bmt/checkpoint/pt_pickle_internal.h"
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
 #include "bmt/core/error.h"

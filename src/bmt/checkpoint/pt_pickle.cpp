@@ -1,4 +1,4 @@
-#include "bmt/checkpoint/pt_pickle.h"
+#include "bmt/checkpoint/pt_pickle_internal.h"
 
 #include <cstring>
 #include <limits>

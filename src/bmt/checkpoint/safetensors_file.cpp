@@ -3,7 +3,7 @@
 #include <unistd.h>
 
 #include "bmt/checkpoint/file_io.h"
-#include "bmt/checkpoint/safetensors_format.h"
+#include "bmt/checkpoint/safetensors_format_internal.h"
 #include "bmt/checkpoint/tensor_file.h"
 #include "bmt/core/error.h"
 

@@ -1,10 +1,10 @@
-#include "bmt/checkpoint/safetensors_format.h"
+#include "bmt/checkpoint/safetensors_format_internal.h"
 
 #include <algorithm>
 #include <numeric>
 #include <set>
 
-#include "bmt/checkpoint/json.h"
+#include "bmt/checkpoint/json_internal.h"
 #include "bmt/core/error.h"
 
 namespace bmt::checkpoint {

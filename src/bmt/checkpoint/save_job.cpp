@@ -1,11 +1,11 @@
-#include "bmt/checkpoint/save_job.h"
+#include "bmt/checkpoint/save_job_internal.h"
 
 #include <cstdio>
 
-#include "bmt/checkpoint/atomic_dir.h"
-#include "bmt/checkpoint/comm_util.h"
+#include "bmt/checkpoint/atomic_dir_internal.h"
+#include "bmt/checkpoint/comm_util_internal.h"
 #include "bmt/checkpoint/file_io.h"
-#include "bmt/checkpoint/json.h"
+#include "bmt/checkpoint/json_internal.h"
 #include "bmt/core/error.h"
 
 namespace bmt::checkpoint::detail {

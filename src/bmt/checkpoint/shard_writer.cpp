@@ -1,11 +1,11 @@
-#include "bmt/checkpoint/shard_writer.h"
+#include "bmt/checkpoint/shard_writer_internal.h"
 
 #include <algorithm>
 #include <future>
 #include <unordered_map>
 
-#include "bmt/checkpoint/comm_util.h"
-#include "bmt/checkpoint/crc32.h"
+#include "bmt/checkpoint/comm_util_internal.h"
+#include "bmt/checkpoint/crc32_internal.h"
 #include "bmt/checkpoint/file_io.h"
 #include "bmt/core/error.h"
 

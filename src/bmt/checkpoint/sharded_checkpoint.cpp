@@ -4,11 +4,11 @@
 #include <mutex>
 #include <set>
 
-#include "bmt/checkpoint/atomic_dir.h"
+#include "bmt/checkpoint/atomic_dir_internal.h"
 #include "bmt/checkpoint/checkpoint_reader.h"
-#include "bmt/checkpoint/comm_util.h"
+#include "bmt/checkpoint/comm_util_internal.h"
+#include "bmt/checkpoint/save_job_internal.h"
 #include "bmt/checkpoint/file_io.h"
-#include "bmt/checkpoint/save_job.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
 #include "bmt/pending_update.h"

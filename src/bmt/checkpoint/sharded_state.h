@@ -30,7 +30,7 @@
 #include "bmt/optim/lr_scheduler.h"
 #include "bmt/optim/optim_manager.h"
 #include "bmt/optim/optimizer.h"
-#include "bmt/optim/state_dict.h"
+#include "bmt/optim/flat_state_dict.h"
 
 namespace bmt::checkpoint {
 

@@ -4,7 +4,7 @@
 #include <cstdio>
 #include <unordered_map>
 
-#include "bmt/checkpoint/json.h"
+#include "bmt/checkpoint/json_internal.h"
 #include "bmt/core/error.h"
 
 namespace bmt::checkpoint {

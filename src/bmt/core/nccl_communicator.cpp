@@ -1,4 +1,4 @@
-#include "bmt/core/nccl_communicator.h"
+#include "bmt/core/nccl_communicator_internal.h"
 
 #include <cuda_runtime.h>
 

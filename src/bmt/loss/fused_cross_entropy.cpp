@@ -3,10 +3,10 @@
 #include <torch/autograd.h>
 
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/cross_entropy.h"
+#include "bmt/core/kernels/cross_entropy_internal.h"
 #include "bmt/core/kernels/thread_pool.h"
 #include "bmt/init.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 #include <cmath>
 #include <mutex>

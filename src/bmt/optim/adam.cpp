@@ -4,7 +4,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/thread_pool.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>

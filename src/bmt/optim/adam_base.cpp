@@ -7,7 +7,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/param_registry.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 namespace bmt::optim {
 namespace {

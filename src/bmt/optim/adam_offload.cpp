@@ -9,7 +9,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/parameter.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -168,8 +168,7 @@ void AdamOffloadOptimizer::start_one(const at::Tensor& p, const AdamOptions& o, 
   }
   // Asynchronous step: a Block parameter's update may outlive step(); the Block waits for it before gathering.
   // Registered once every task is queued, so a registered update is complete once its tasks are.
-  ParamMeta* meta = find_meta(p);
-  if (async_step_ && meta != nullptr && meta->block != nullptr) {
+  if (async_step_ && in_block(p)) {
     set_pending_update(p, update);
     flight.registered = true;
   }

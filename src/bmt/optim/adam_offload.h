@@ -16,7 +16,8 @@
 // created per step; the master, moments and gradients never leave pinned/host memory between steps. Only the
 // transfer buffers are pinned: master and moments never cross the bus, so pinning them would only lock memory.
 //
-// Early start (overlap with the backward pass): step_params(params or flat indices, loss_scale) starts the update
+// Early start (overlap with the backward pass; OptimManager::overlap_offload_with_backward() drives it per Block,
+// with the inf/NaN check): step_params(params or flat indices, loss_scale) starts the update
 // of a subset at once and returns; their gradients must be final (e.g. a Block whose backward is done) and must not
 // be modified until the update finished (wait(), step() or zero_grad() wait for it). A later step() updates only
 // the parameters not started yet in this iteration, then waits; the iteration ends with step() or zero_grad(), so a

@@ -4,11 +4,11 @@
 #include <cmath>
 
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/has_inf_nan.h"
+#include "bmt/core/kernels/has_inf_nan_internal.h"
 #include "bmt/init.h"
 #include "bmt/param_registry.h"
 #include "bmt/stream_sync.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -36,6 +36,13 @@ void all_reduce_in_place(at::Tensor& t, core::ReduceOp op, core::Communicator* c
 }  // namespace
 
 bool grads_have_inf_nan(const std::vector<at::Tensor>& params, core::Communicator* comm) {
+  return grads_have_inf_nan(params, std::vector<core::Communicator*>{comm});
+}
+
+bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms) {
+  core::Communicator* first = nullptr;
+  for (core::Communicator* c : comms)
+    if (c != nullptr && first == nullptr) first = c;
   if (is_initialized()) wait_for_gradient_reduction();
   at::NoGradGuard no_grad;
   bool host_found = false;
@@ -60,10 +67,14 @@ bool grads_have_inf_nan(const std::vector<at::Tensor>& params, core::Communicato
     BMT_ERROR("grads_have_inf_nan: gradient on ", g.device(), " in a build without CUDA");
 #endif
   }
-  at::Tensor flag = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(reduction_device(comm)));
+  at::Tensor flag = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(reduction_device(first)));
   if (device_flag.defined()) flag.copy_(device_flag.to(at::kFloat).to(flag.device()));
   if (host_found) flag.fill_(1.0);
-  all_reduce_in_place(flag, core::ReduceOp::kMax, comm);
+  for (core::Communicator* c : comms) {
+    BMT_CHECK(c == nullptr || reduction_device(c) == flag.device(), "grads_have_inf_nan: communicators '",
+              first->name(), "' and '", c->name(), "' live on different device kinds");
+    all_reduce_in_place(flag, core::ReduceOp::kMax, c);
+  }
   return flag.item<float>() != 0.0f;
 }
 

@@ -19,6 +19,9 @@ namespace bmt::optim {
 
 // True on every rank if any rank's gradient of any of `params` contains inf or NaN. One all_reduce(max).
 bool grads_have_inf_nan(const std::vector<at::Tensor>& params, core::Communicator* comm);
+// The same, agreeing over each of `comms` in turn (one all_reduce(max) each; nullptr entries are skipped), e.g. the
+// sharding groups of one Block's parameters.
+bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms);
 
 // The global norm_type-norm (finite p >= 1, or INFINITY) of the gradients of `params`. One all_reduce
 // (sum for p-norms, max for the inf-norm). May return inf/NaN if a gradient overflowed.

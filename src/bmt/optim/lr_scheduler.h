@@ -24,7 +24,7 @@
 #include <memory>
 #include <vector>
 
-#include "bmt/optim/state_dict.h"
+#include "bmt/optim/flat_state_dict.h"
 
 namespace bmt::optim::lr_scheduler {
 

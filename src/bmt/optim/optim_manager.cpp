@@ -10,7 +10,9 @@
 
 #include "bmt/core/error.h"
 #include "bmt/init.h"
+#include "bmt/optim/adam_offload.h"
 #include "bmt/optim/grad_utils.h"
+#include "bmt/optim/offload_overlap_internal.h"
 #include "bmt/optim/optimizer.h"
 #include "bmt/param_registry.h"
 #include "bmt/stream_sync.h"
@@ -78,8 +80,31 @@ std::vector<at::Tensor> OptimManager::all_params() const {
   return out;
 }
 
+std::shared_ptr<detail::OffloadOverlapState> OptimManager::active_overlap() const {
+  auto state = overlap_.lock();
+  return state && state->installed() ? state : nullptr;
+}
+
+OffloadOverlap OptimManager::overlap_offload_with_backward() {
+  BMT_CHECK(!loss_scale_enabled_, "OptimManager::overlap_offload_with_backward: dynamic loss scaling is on (loss "
+            "scale ", loss_scale_, "); it skips steps on overflow, but a Block updated early cannot be un-updated. "
+            "Train without the overlap, or without loss scaling (bf16 / fp32: OptimManagerOptions::loss_scale = 0)");
+  BMT_CHECK(active_overlap() == nullptr, "OptimManager::overlap_offload_with_backward: the overlap is already on "
+            "for this manager; remove() the first handle before asking again");
+  std::vector<std::shared_ptr<AdamOffloadOptimizer>> offload;
+  for (const auto& opt : optimizers_)
+    if (auto o = std::dynamic_pointer_cast<AdamOffloadOptimizer>(opt)) offload.push_back(std::move(o));
+  BMT_CHECK(!offload.empty(), "OptimManager::overlap_offload_with_backward: no AdamOffloadOptimizer was added to "
+            "this manager (add_optimizer it first); other optimizers update in step()");
+  auto state = std::make_shared<detail::OffloadOverlapState>(std::move(offload));
+  state->install();
+  overlap_ = state;
+  return OffloadOverlap(std::move(state));
+}
+
 void OptimManager::zero_grad() {
   if (is_initialized()) wait_for_gradient_reduction();
+  if (auto overlap = overlap_.lock()) overlap->end_iteration();
   for (const auto& opt : optimizers_) {
     if (auto* bmt_opt = dynamic_cast<BmtOptimizer*>(opt.get())) {
       bmt_opt->zero_grad(/*set_to_none=*/false);
@@ -105,7 +130,26 @@ void OptimManager::set_scale(double new_scale, const char* why) {
 bool OptimManager::step() {
   if (is_initialized()) wait_for_gradient_reduction();
   std::vector<at::Tensor> params = all_params();
+  std::shared_ptr<detail::OffloadOverlapState> overlap = overlap_.lock();
+  BMT_CHECK(!(overlap && overlap->installed() && loss_scale_enabled_), "OptimManager::step: dynamic loss scaling "
+            "was turned on (load_state_dict?) while the offload overlap is on; remove the OffloadOverlap handle or "
+            "load a state without loss scaling");
   if (grads_have_inf_nan(params, world_comm())) {
+    if (overlap && !overlap->early_blocks().empty()) {
+      const std::vector<std::string> early = overlap->early_blocks();
+      const std::vector<std::string> held = overlap->nonfinite_blocks();
+      ++num_skipped_steps_;
+      zero_grad();  // ends the optimizers' iteration (waits for the early updates) and the overlap's record
+      std::string early_list, held_list;
+      for (const auto& b : early) early_list += " " + b;
+      for (const auto& b : held) held_list += " " + b;
+      BMT_ERROR("OptimManager::step: gradients contain inf/NaN, but ", early.size(), " Block(s) were already "
+                "updated during the backward by overlap_offload_with_backward() (Blocks in backward order:",
+                early_list, ")", held.empty() ? std::string() : core::concat("; withheld for inf/NaN:", held_list),
+                ". An Adam update cannot be undone, so the model now holds half a step: the run has diverged. "
+                "Restart from the last checkpoint (lower the learning rate, check the data), or train without the "
+                "overlap (remove the OffloadOverlap handle) to have such steps skipped");
+    }
     ++num_skipped_steps_;
     steps_since_last_scale_ = 0;
     if (loss_scale_enabled_ && loss_scale_ > options_.min_loss_scale) {
@@ -130,6 +174,7 @@ bool OptimManager::step() {
       opt->step();
     }
   }
+  if (overlap) overlap->end_iteration();
   for (const auto& sched : schedulers_)
     if (sched) sched->step();
   if (loss_scale_enabled_) {

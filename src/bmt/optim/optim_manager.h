@@ -38,7 +38,8 @@
 #include <vector>
 
 #include "bmt/optim/lr_scheduler.h"
-#include "bmt/optim/state_dict.h"
+#include "bmt/optim/offload_overlap.h"
+#include "bmt/optim/flat_state_dict.h"
 
 namespace bmt::optim {
 
@@ -61,8 +62,16 @@ class OptimManager {
   void zero_grad();
   at::Tensor scale_loss(const at::Tensor& loss) const;
   void backward(const at::Tensor& loss);
-  // Returns false when the step was skipped because a gradient was inf/NaN on some rank.
+  // Returns false when the step was skipped because a gradient was inf/NaN on some rank. With the offload overlap
+  // on, an inf/NaN after some Blocks were already updated early throws bmt::core::Error instead (see below).
   bool step();
+  // Starts each Block's update by this manager's AdamOffloadOptimizers as soon as the Block's gradients are
+  // reduced, during the rest of the backward (offload_overlap.h), for the Blocks whose parameters they hold. Each
+  // early start first checks the Block's gradients for inf/NaN (agreed over the Block's communicators) and leaves a
+  // non-finite Block to step(). Refused (bmt::core::Error) with dynamic loss scaling, whose skipped steps would
+  // follow early updates that cannot be undone, when no AdamOffloadOptimizer was added, or while another handle of
+  // this manager is active. The returned handle undoes it (remove() or its destructor).
+  OffloadOverlap overlap_offload_with_backward();
   double clip_grad_norm(double max_norm, double norm_type = 2.0, double eps = 1e-6);
   // The same over an explicit parameter list (BMTrain's clip_grad_norm(param_groups, ...)).
   double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, double norm_type = 2.0,
@@ -86,6 +95,8 @@ class OptimManager {
  private:
   std::vector<at::Tensor> all_params() const;
   void set_scale(double new_scale, const char* why);
+  // The active overlap's state, or nullptr.
+  std::shared_ptr<detail::OffloadOverlapState> active_overlap() const;
 
   OptimManagerOptions options_;
   double loss_scale_ = 1;
@@ -95,6 +106,7 @@ class OptimManager {
   double grad_scale_ = 1;
   std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers_;
   std::vector<std::shared_ptr<lr_scheduler::WarmupLRScheduler>> schedulers_;
+  std::weak_ptr<detail::OffloadOverlapState> overlap_;  // owned by the OffloadOverlap handle
 };
 
 }  // namespace bmt::optim

@@ -16,7 +16,7 @@
 
 #include <vector>
 
-#include "bmt/optim/state_dict.h"
+#include "bmt/optim/flat_state_dict.h"
 
 namespace bmt::optim {
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/accumulate.h"
+#include "bmt/core/kernels/accumulate_internal.h"
 #include "bmt/core/kernels/element_access.cuh"
 
 namespace bmt::core::kernels {

@@ -1,6 +1,6 @@
 // CPU twin of accumulate_fp32_cuda: a plain loop (the test reference; CPU Blocks use at::add_).
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/accumulate.h"
+#include "bmt/core/kernels/accumulate_internal.h"
 
 namespace bmt::core::kernels {
 

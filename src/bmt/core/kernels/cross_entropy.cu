@@ -12,7 +12,7 @@
 #include <algorithm>
 
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/cross_entropy.h"
+#include "bmt/core/kernels/cross_entropy_internal.h"
 #include "bmt/core/kernels/element_access.cuh"
 
 namespace bmt::core::kernels {

@@ -8,7 +8,7 @@
 #include <limits>
 
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/cross_entropy.h"
+#include "bmt/core/kernels/cross_entropy_internal.h"
 #include "bmt/core/kernels/thread_pool.h"
 
 namespace bmt::core::kernels {

@@ -6,7 +6,7 @@
 #include <algorithm>
 
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/has_inf_nan.h"
+#include "bmt/core/kernels/has_inf_nan_internal.h"
 
 namespace bmt::core::kernels {
 namespace {

@@ -1,5 +1,5 @@
 // CPU has_inf_nan: branch-free exponent-mask test over blocks (auto-vectorised), early exit between blocks.
-#include "bmt/core/kernels/has_inf_nan.h"
+#include "bmt/core/kernels/has_inf_nan_internal.h"
 
 #include "bmt/core/error.h"
 

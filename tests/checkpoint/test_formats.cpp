@@ -2,11 +2,11 @@
 // Every parser error case checks that the message names the problem.
 #include <gtest/gtest.h>
 
-#include "bmt/checkpoint/crc32.h"
-#include "bmt/checkpoint/json.h"
+#include "bmt/checkpoint/crc32_internal.h"
+#include "bmt/checkpoint/json_internal.h"
 #include "bmt/checkpoint/metadata.h"
-#include "bmt/checkpoint/pt_pickle.h"
-#include "bmt/checkpoint/safetensors_format.h"
+#include "bmt/checkpoint/pt_pickle_internal.h"
+#include "bmt/checkpoint/safetensors_format_internal.h"
 #include "bmt/checkpoint/slice_plan.h"
 #include "bmt/core/error.h"
 #include "error_of.h"

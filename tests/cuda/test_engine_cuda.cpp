@@ -16,7 +16,7 @@
 #include "bmt/param_registry.h"
 #include "bmt/parameter.h"
 #include "bmt/pending_update.h"
-#include "bmt/state_dict.h"
+#include "bmt/module_state.h"
 #include "bmt/stream_sync.h"
 #include "gated_pool.h"
 #include "run_ranks.h"

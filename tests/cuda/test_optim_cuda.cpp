@@ -12,7 +12,7 @@
 #include "bmt/optim/grad_utils.h"
 #include "bmt/param_registry.h"
 #include "bmt/pending_update.h"
-#include "../opt_test_util.h"
+#include "opt_test_util.h"
 
 using bmt::optim::AdamOffloadOptimizer;
 using bmt::optim::AdamOptimizer;
@@ -47,7 +47,7 @@ TEST(CudaOptim, AdamAndOffloadOnGpuMatchCpuBitwise) {
           bmt::set_main_grad(gpu[i], g.to(at::kCUDA));
           bmt::set_main_grad(off[i], g.to(at::kCUDA));
         } else {
-          for (auto* v : {&cpu, &gpu, &off}) bmt::clear_main_grad((*v)[i]);
+          for (auto* v : {&cpu, &gpu, &off}) bmt::forget_param((*v)[i]);
           cpu[i].mutable_grad() = g.to(dt);
           gpu[i].mutable_grad() = g.to(dt).to(at::kCUDA);
           off[i].mutable_grad() = g.to(dt).to(at::kCUDA);

@@ -13,9 +13,9 @@
 
 #include "bmt/core/dtype.h"
 #include "bmt/core/kernels/adam.h"
-#include "bmt/core/kernels/has_inf_nan.h"
+#include "bmt/core/kernels/has_inf_nan_internal.h"
 #include "bmt/core/kernels/thread_pool.h"
-#include "../element_bytes.h"
+#include "element_bytes.h"
 
 namespace k = bmt::core::kernels;
 using bmt::core::DType;

@@ -6,10 +6,10 @@
 #include <cstdlib>
 #include <fstream>
 
-#include "bmt/checkpoint/atomic_dir.h"
+#include "bmt/checkpoint/atomic_dir_internal.h"
 #include "bmt/checkpoint/checkpoint_reader.h"
 #include "bmt/checkpoint/file_io.h"
-#include "bmt/checkpoint/shard_writer.h"
+#include "bmt/checkpoint/shard_writer_internal.h"
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
 #include "bmt/core/error.h"

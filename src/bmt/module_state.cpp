@@ -1,4 +1,4 @@
-#include "bmt/state_dict.h"
+#include "bmt/module_state.h"
 
 #include <sstream>
 
@@ -8,9 +8,31 @@
 #include "bmt/pending_update.h"
 
 namespace bmt {
+namespace {
+
+// The one place module-level reads and writes of parameters wait: an asynchronous optimizer step may still be
+// writing them (pending_update.h); its result would be read half-done or overwrite the new values.
+void wait_for_parameter_writers() { wait_all_pending_updates(); }
+
+}  // namespace
+
+void init_parameters(torch::nn::Module& module) {
+  wait_for_parameter_writers();
+  at::NoGradGuard guard;
+  for (auto& item : module.named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    ParamMeta* m = find_meta(p);
+    if (!m || !m->init_method) continue;
+    // The whole logical tensor on every rank, so the random stream matches the unsplit model's.
+    at::Tensor full = at::empty(m->logical_shape(), at::TensorOptions().dtype(m->dtype).device(config().device));
+    m->init_method(full);
+    scatter_logical(p, full);
+  }
+  seed_per_data_parallel_rank();
+}
 
 StateDict state_dict(torch::nn::Module& module, bool to_cpu) {
-  wait_all_pending_updates();  // asynchronous optimizer steps still writing parameters
+  wait_for_parameter_writers();
   StateDict out;
   at::NoGradGuard guard;
   for (auto& item : module.named_parameters(true)) {
@@ -22,7 +44,7 @@ StateDict state_dict(torch::nn::Module& module, bool to_cpu) {
 }
 
 LoadResult load_state_dict(torch::nn::Module& module, const StateDict& state, bool strict) {
-  wait_all_pending_updates();  // an update still running would overwrite the loaded values
+  wait_for_parameter_writers();
   LoadResult result;
   std::vector<std::string> mismatched;
   std::map<std::string, at::Tensor> targets;

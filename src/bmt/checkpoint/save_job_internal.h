@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "bmt/checkpoint/metadata.h"
-#include "bmt/checkpoint/shard_writer.h"
+#include "bmt/checkpoint/shard_writer_internal.h"
 
 namespace bmt::checkpoint::detail {
 

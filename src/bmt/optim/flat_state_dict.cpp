@@ -1,4 +1,4 @@
-#include "bmt/optim/state_dict.h"
+#include "bmt/optim/flat_state_dict.h"
 
 #include <torch/serialize.h>
 

@@ -10,7 +10,7 @@
 #include <random>
 #include <thread>
 
-#include "bmt/checkpoint/atomic_dir.h"
+#include "bmt/checkpoint/atomic_dir_internal.h"
 #include "bmt/checkpoint/checkpoint_reader.h"
 #include "ckpt_test_util.h"
 

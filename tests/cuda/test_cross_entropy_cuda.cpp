@@ -11,10 +11,10 @@
 #include <string>
 
 #include "bmt/core/error.h"
-#include "bmt/core/kernels/cross_entropy.h"
+#include "bmt/core/kernels/cross_entropy_internal.h"
 #include "bmt/core/kernels/thread_pool.h"
 #include "bmt/loss/fused_cross_entropy.h"
-#include "bmt/tensor_adapter.h"
+#include "bmt/tensor_adapter_internal.h"
 
 namespace k = bmt::core::kernels;
 using bmt::loss::FusedCrossEntropyOptions;

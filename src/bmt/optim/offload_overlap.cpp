@@ -1,0 +1,109 @@
+#include "bmt/optim/offload_overlap.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "bmt/block.h"
+#include "bmt/core/error.h"
+#include "bmt/optim/adam_offload.h"
+#include "bmt/optim/grad_utils.h"
+#include "bmt/optim/offload_overlap_internal.h"
+#include "bmt/parameter.h"
+
+namespace bmt::optim {
+namespace detail {
+
+OffloadOverlapState::OffloadOverlapState(std::vector<std::shared_ptr<AdamOffloadOptimizer>> optimizers)
+    : optimizers_(std::move(optimizers)) {
+  for (const auto& opt : optimizers_) {
+    std::unordered_set<const void*> mine;
+    for (const at::Tensor& p : opt->flat_params()) mine.insert(p.unsafeGetTensorImpl());
+    owned_.push_back(std::move(mine));
+  }
+}
+
+OffloadOverlapState::~OffloadOverlapState() { remove_hook(); }
+
+void OffloadOverlapState::install() {
+  // The hook holds the state weakly: removing the handle (and the manager forgetting it) frees everything.
+  std::weak_ptr<OffloadOverlapState> weak = shared_from_this();
+  hook_id_ = add_grad_ready_hook([weak](Block& block) {
+    if (auto self = weak.lock()) self->on_block_reduced(block);
+  });
+}
+
+void OffloadOverlapState::remove_hook() {
+  if (hook_id_ < 0) return;
+  remove_grad_ready_hook(hook_id_);
+  hook_id_ = -1;
+}
+
+void OffloadOverlapState::on_block_reduced(Block& block) {
+  // An iteration ended without the manager (the optimizers' own step() or zero_grad()): start a new record.
+  bool none_started = true;
+  for (const auto& opt : optimizers_) none_started = none_started && opt->num_started() == 0;
+  if (none_started && !early_blocks_.empty()) end_iteration();
+  const std::vector<at::Tensor> block_params = block.module()->parameters();
+  for (size_t k = 0; k < optimizers_.size(); ++k) {
+    std::vector<at::Tensor> mine;
+    for (const at::Tensor& p : block_params)
+      if (owned_[k].count(p.unsafeGetTensorImpl())) mine.push_back(p);
+    if (mine.empty()) continue;  // a Block kept on another optimizer (e.g. GPU Adam)
+    BMT_CHECK(seen_this_iteration_.insert({&block, k}).second, "overlap_offload_with_backward: a Block (",
+              block.module()->name(), ") reduced its gradients twice in one iteration, but the overlap starts "
+              "its update after the first reduction; accumulate micro-batches under bmt::GradSyncGuard (one reduction "
+              "per step), or remove the OffloadOverlap handle");
+    // The Block's communicators (its parameters' sharding groups), so every rank holding a shard of the Block
+    // takes the same decision. grads_have_inf_nan orders itself after the gradient reduction.
+    std::vector<core::Communicator*> comms;
+    for (const at::Tensor& p : mine) {
+      core::Communicator* c = meta_of(p).comm.get();
+      if (std::find(comms.begin(), comms.end(), c) == comms.end()) comms.push_back(c);
+    }
+    const std::string what = core::concat("#", blocks_seen_, " (", block.module()->name(), ")");
+    if (grads_have_inf_nan(mine, comms)) {
+      nonfinite_blocks_.push_back(what);
+      ++num_nonfinite_;
+      continue;
+    }
+    optimizers_[k]->step_params(mine, /*loss_scale=*/1.0);  // loss scaling is refused
+    early_blocks_.push_back(what);
+    ++num_early_;
+  }
+  ++blocks_seen_;
+}
+
+void OffloadOverlapState::end_iteration() {
+  seen_this_iteration_.clear();
+  early_blocks_.clear();
+  nonfinite_blocks_.clear();
+  blocks_seen_ = 0;
+}
+
+}  // namespace detail
+
+OffloadOverlap::OffloadOverlap(std::shared_ptr<detail::OffloadOverlapState> state) : state_(std::move(state)) {}
+
+OffloadOverlap::~OffloadOverlap() { remove(); }
+
+OffloadOverlap::OffloadOverlap(OffloadOverlap&& other) noexcept : state_(std::move(other.state_)) {}
+
+OffloadOverlap& OffloadOverlap::operator=(OffloadOverlap&& other) noexcept {
+  if (this != &other) {
+    remove();
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+
+void OffloadOverlap::remove() {
+  if (state_) state_->remove_hook();  // the state (and its counters) stays until the handle goes
+}
+
+bool OffloadOverlap::active() const { return state_ != nullptr && state_->installed(); }
+
+int64_t OffloadOverlap::num_early_starts() const { return state_ ? state_->num_early() : 0; }
+
+int64_t OffloadOverlap::num_nonfinite_blocks() const { return state_ ? state_->num_nonfinite() : 0; }
+
+}  // namespace bmt::optim
