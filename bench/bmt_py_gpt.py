@@ -133,6 +133,7 @@ def main():
         opt = bmt.optim.AdamOptimizer(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     manager = bmt.optim.OptimManager(loss_scale=None)
     manager.add_optimizer(opt)
+    overlap = manager.overlap_offload_with_backward() if a.offload else None  # noqa: F841  (kept for the run)
     loss_fn = bmt.loss.FusedCrossEntropy(inplace=True)
     flops_per_token = 6.0 * n_matmul + 6.0 * L * d * T
     world = bmt.world_size()

@@ -3,6 +3,7 @@
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/lr_scheduler.h"
+#include "bmt/optim/offload_overlap.h"
 #include "bmt/optim/optim_manager.h"
 #include "py_support.h"
 
@@ -140,6 +141,12 @@ void bind_optim(py::module_& m) {
         else o.set_grad_transfer_dtype(dtype.cast<at::ScalarType>());
       });
 
+  py::class_<optim::OffloadOverlap>(m, "OffloadOverlap")
+      .def("remove", &optim::OffloadOverlap::remove, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("active", &optim::OffloadOverlap::active)
+      .def_property_readonly("num_early_starts", &optim::OffloadOverlap::num_early_starts)
+      .def_property_readonly("num_nonfinite_blocks", &optim::OffloadOverlap::num_nonfinite_blocks);
+
   py::class_<OptimManager, std::shared_ptr<OptimManager>>(m, "OptimManager")
       .def(py::init([](double loss_scale, double factor, int64_t steps, double min_scale, double max_scale,
                        double grad_scale) {
@@ -159,6 +166,7 @@ void bind_optim(py::module_& m) {
              mgr.add_optimizer(std::static_pointer_cast<torch::optim::Optimizer>(opt), std::move(sched));
            },
            py::arg("optimizer"), py::arg("lr_scheduler") = nullptr)
+      .def("overlap_offload_with_backward", &OptimManager::overlap_offload_with_backward)
       .def("zero_grad", &OptimManager::zero_grad, py::call_guard<py::gil_scoped_release>())
       .def("scale_loss", &OptimManager::scale_loss)
       .def("backward", &OptimManager::backward, py::call_guard<py::gil_scoped_release>())

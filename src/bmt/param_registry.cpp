@@ -27,6 +27,12 @@ void register_meta(const at::Tensor& t, std::shared_ptr<ParamMeta> meta) {
   records().update(t, [&](ParamRecord& r) { r.meta = std::move(meta); });
 }
 
+std::shared_ptr<ParamMeta> take_meta(const at::Tensor& t) {
+  std::shared_ptr<ParamMeta> meta = records().read(t, [](const ParamRecord* r) { return r ? r->meta : nullptr; });
+  records().erase(t);
+  return meta;
+}
+
 ParamMeta* find_meta(const at::Tensor& param) {
   if (!param.defined()) return nullptr;
   return records().read(param, [](const ParamRecord* r) { return r ? r->meta.get() : nullptr; });

@@ -12,5 +12,7 @@ namespace bmt {
 
 // Sets (or replaces) t's ParamMeta; drops the records of dead tensors first.
 void register_meta(const at::Tensor& t, std::shared_ptr<ParamMeta> meta);
+// Removes t's whole record and returns its ParamMeta (nullptr when t is not a DistributedParameter).
+std::shared_ptr<ParamMeta> take_meta(const at::Tensor& t);
 
 }  // namespace bmt

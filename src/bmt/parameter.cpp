@@ -175,16 +175,14 @@ at::Tensor DistributedParameter(const at::Tensor& full, bool requires_grad, std:
 }
 
 void adopt_distributed_parameter(const at::Tensor& target, const at::Tensor& created) {
-  std::shared_ptr<ParamMeta> meta =
-      metas().read(created, [](const std::shared_ptr<ParamMeta>* m) { return m ? *m : std::shared_ptr<ParamMeta>(); });
-  BMT_CHECK(meta != nullptr, "adopt_distributed_parameter: the source tensor is not a DistributedParameter");
-  BMT_CHECK(meta->block == nullptr, "adopt_distributed_parameter: the source parameter already belongs to a Block");
+  const ParamMeta* source = find_meta(created);
+  BMT_CHECK(source != nullptr, "adopt_distributed_parameter: the source tensor is not a DistributedParameter");
+  BMT_CHECK(source->block == nullptr, "adopt_distributed_parameter: the source parameter already belongs to a Block");
   BMT_CHECK(find_meta(target) == nullptr, "adopt_distributed_parameter: the target is already a DistributedParameter");
+  std::shared_ptr<ParamMeta> meta = take_meta(created);
   target.set_data(created);  // the target's own TensorImpl now holds the shard
   register_meta(target, meta);
   set_replication(target, replication_of(*meta));
-  metas().erase(created);
-  forget_param(created);
 }
 
 bool is_distributed_param(const at::Tensor& param) { return find_meta(param) != nullptr; }

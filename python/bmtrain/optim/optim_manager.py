@@ -31,6 +31,13 @@ class OptimManager:
         self.optimizers.append(optimizer)
         self.lr_schedulers.append(lr_scheduler)
 
+    def overlap_offload_with_backward(self):
+        """Starts each Block's CPU Adam update (AdamOffloadOptimizer) as soon as the Block's gradients are reduced,
+        while the rest of the backward runs. A Block whose gradients hold inf/NaN is left to step(); refused with
+        loss scaling (an early update cannot be undone). Returns a handle: .remove(), or use it as a context
+        manager; .num_early_starts counts the updates started early."""
+        return _OverlapHandle(self._c.overlap_offload_with_backward())
+
     def scale_loss(self, loss):
         return self._c.scale_loss(loss)
 
@@ -89,3 +96,22 @@ class OptimManager:
     max_loss_scale = property(lambda self: self._c.max_loss_scale)
     grad_scale = property(lambda self: self._c.grad_scale)
     num_skipped_steps = property(lambda self: self._c.num_skipped_steps)
+
+
+class _OverlapHandle:
+    def __init__(self, handle):
+        self._h = handle
+
+    def remove(self):
+        self._h.remove()
+
+    active = property(lambda self: self._h.active)
+    num_early_starts = property(lambda self: self._h.num_early_starts)
+    num_nonfinite_blocks = property(lambda self: self._h.num_nonfinite_blocks)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+        return False

@@ -293,5 +293,42 @@ def optim_manager_advances_scheduler():
                              f"{world()} (no pipeline)")
 
 
+@case
+def offload_overlap_with_backward():
+    """OptimManager.overlap_offload_with_backward(): every Block's update starts during the backward, and the
+    parameters equal those of the same steps without the overlap, bit for bit; refused under loss scaling."""
+    M = make(BMT)
+    runs = {}
+    for overlap in (False, True):
+        model = M.Net(D, 2, 11)
+        opt = bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=1e-2, betas=BETAS, eps=EPS, weight_decay=0.05)
+        om = bmt.optim.OptimManager(loss_scale=None)
+        om.add_optimizer(opt)
+        handle = om.overlap_offload_with_backward() if overlap else None
+        for step in range(3):
+            om.zero_grad()
+            om.backward(_loss(model(rank_input(rank(), B, D, seed=40 + step))))
+            om.step()
+        if handle is not None:
+            if handle.num_early_starts != 3 * 2:
+                raise AssertionError(f"overlap started {handle.num_early_starts} Block updates early, expected 6 "
+                                     "(2 Blocks x 3 steps)")
+            handle.remove()
+            if handle.active:
+                raise AssertionError("overlap handle still active after remove()")
+        runs[overlap] = model.state_dict()
+    for k, v in runs[False].items():
+        assert_equal(f"overlap vs none: {k}", runs[True][k], v)
+    om = bmt.optim.OptimManager(loss_scale=1024)
+    om.add_optimizer(bmt.optim.AdamOffloadOptimizer(M.Net(D, 1, 3).parameters()))
+    try:
+        om.overlap_offload_with_backward()
+    except RuntimeError as e:
+        if "loss scal" not in str(e):
+            raise AssertionError(f"refusal under loss scaling does not say why: {e}")
+    else:
+        raise AssertionError("overlap_offload_with_backward() accepted a manager with loss scaling")
+
+
 if __name__ == "__main__":
     main()
