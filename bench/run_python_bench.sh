@@ -20,6 +20,7 @@ CONFIGS=(
   "124m|gpt2-124m|1024|16|3|10|"
   "1p3b|gpt-1.3b|2048|8|2|5|"
   "1p3b_ckpt|gpt-1.3b|2048|8|2|5|--checkpointing"
+  "1p3b_offload|gpt-1.3b|2048|8|2|4|--offload"
 )
 : > "$LOG/runs.jsonl"
 for c in "${CONFIGS[@]}"; do
@@ -33,6 +34,8 @@ for c in "${CONFIGS[@]}"; do
     json=$LOG/$fw-$id.json
     rm -f "$json"
     if [ "$fw" = cpp ]; then
+      # The Python run's offload: bf16 gradient transfer, asynchronous step, overlap with the backward.
+      [[ " $extra " == *" --offload "* ]] && flags+=(--offload-grad-bf16 --offload-async)
       MASTER_ADDR=127.0.0.1 MASTER_PORT=29650 timeout -k 10 "$limit" "$BIN" --framework bmt "${flags[@]}" --json "$json" > "$LOG/$fw-$id.log" 2>&1
     else
       MASTER_ADDR=127.0.0.1 MASTER_PORT=29651 timeout -k 10 "$limit" python3 bench/bmt_py_gpt.py "${flags[@]}" --json "$json" > "$LOG/$fw-$id.log" 2>&1
