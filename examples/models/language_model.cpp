@@ -82,7 +82,10 @@ TokenRows token_rows(const at::Tensor& ids) {
 
 at::Tensor rows_to_batch(const at::Tensor& x, const at::Tensor& shape) {
   const int64_t B = shape.size(0), T = shape.size(1);
-  return x.narrow(0, 0, B * T).reshape({B, T, x.size(-1)});
+  // narrow() only where there are padding rows: its backward allocates a zero tensor of x's size and copies the
+  // gradient in, even when the slice is the whole tensor (a logits-sized buffer for the language-model head).
+  const at::Tensor rows = x.size(0) == B * T ? x : x.narrow(0, 0, B * T);
+  return rows.reshape({B, T, x.size(-1)});
 }
 
 at::Tensor batch_to_rows(const at::Tensor& x, const at::Tensor& shape) {
@@ -94,7 +97,7 @@ at::Tensor batch_to_rows(const at::Tensor& x, const at::Tensor& shape) {
 at::Tensor LanguageModel::forward(const at::Tensor& ids) {
   TokenRows rows = token_rows(ids);
   at::Tensor logits = logit_rows(rows);
-  return logits.narrow(0, 0, rows.rows).reshape({rows.batch, rows.seq, logits.size(-1)});
+  return rows_to_batch(logits, rows.shape);
 }
 
 at::Tensor LanguageModel::loss(const at::Tensor& ids, const at::Tensor& targets) {
