@@ -87,7 +87,7 @@ def adam_bf16_vs_fp32_master():
                 for m, p in zip(master, ref.parameters()):
                     p.copy_(m)
             compare_state(model, ref, rtol=1e-2, atol=1e-3, what=f"bf16 {opt_cls.__name__} step {step + 1}: ")
-        if torch.equal(model.state_dict()["head.weight"], make(TORCH_BF16).Net(D, 2, 17).state_dict()["head.weight"]):
+        if torch.equal(model.state_dict()["head.weight"], make(TORCH_BF16).Net(D, 2, 17).state_dict()["head.weight"].cpu()):
             raise AssertionError("bf16 parameters did not change")
 
 
