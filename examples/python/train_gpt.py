@@ -172,7 +172,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-checkpoint", action="store_true", help="keep activations (no recompute in backward)")
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm (0: off, norm still logged)")
-    ap.add_argument("--loss-scale", type=float, default=1024.0)
+    ap.add_argument("--loss-scale", type=float, default=1024.0,
+                    help="initial dynamic loss scale (0: none; with --offload, 0 also overlaps the CPU Adam with the backward)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--metrics", default="runs/metrics_python.jsonl", help="JSONL metrics file ('' for none)")
     ap.add_argument("--log-every", type=int, default=0, help="progress line period (0: about 30 lines)")
@@ -202,6 +203,9 @@ def main(argv=None):
                                   end_iter=args.steps, num_iter=0)
     om = bmt.optim.OptimManager(loss_scale=args.loss_scale)
     om.add_optimizer(opt, sched)
+    # Offload without loss scaling: each Block's CPU Adam update starts as soon as its gradients are reduced, while
+    # the rest of the backward runs (refused under loss scaling, whose skipped steps could not undo an early update).
+    overlap = om.overlap_offload_with_backward() if args.offload and not args.loss_scale else None  # noqa: F841
     loss_fn = bmt.loss.FusedCrossEntropy(ignore_index=-100)
 
     rank, world = bmt.rank(), bmt.world_size()
