@@ -28,9 +28,11 @@ void Communicator::check_root(const char* op, int root) const {
 
 std::string Communicator::dead_peer_suffix() const {
   if (!peer_monitor_) return "";
-  // A collective usually fails (connection reset) before the heartbeat has been read: wait one more poll, which
-  // finds a killed peer on this host. Not longer: when nobody died (a stalled peer) the wait only delays the error.
-  return peer_verdict_suffix(peer_monitor_.get(), peer_monitor_->options().interval_ms + 500);
+  // A collective usually fails (a reset, or its own timeout) before the heartbeat has been read: wait up to three
+  // polls, the time the watcher needs to see a stopped peer's heartbeat go stale and publish it plus this rank's
+  // next poll (one poll was too short under load: the verdict came 0.5 s after the error). When nobody died the
+  // wait only delays the error.
+  return peer_verdict_suffix(peer_monitor_.get(), 3 * peer_monitor_->options().interval_ms + 500);
 }
 
 }  // namespace bmt::core

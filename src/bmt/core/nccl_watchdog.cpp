@@ -117,7 +117,7 @@ void NcclWatchdog::loop() {
     if (why.empty()) continue;
     // Name the dead rank where the heartbeat can tell (a timeout or a network error usually comes first).
     if (monitor && monitor->verdict().empty()) why += peer_verdict_suffix(monitor.get(),
-                                                                          2 * monitor->options().interval_ms + 500);
+                                                                          3 * monitor->options().interval_ms + 500);
     std::string pending = oldest_pending();
     if (!pending.empty() && why.find(pending.substr(0, pending.find(' '))) == std::string::npos)
       why += concat("; ", pending, " had not completed");
