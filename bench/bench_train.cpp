@@ -234,6 +234,13 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     r.early_started = [overlap] { return overlap->num_early_starts(); };
     r.optimizer += " (per-Block early start)";
   }
+  if (a.step_in_backward) {
+    // Each Block's Adam update is queued as soon as its gradients are reduced and its fp32 gradient shards are
+    // freed: the whole model's gradients are never held at once.
+    overlap = std::make_shared<bmt::optim::OffloadOverlap>(manager->overlap_step_with_backward(true));
+    r.early_started = [overlap] { return overlap->num_early_starts(); };
+    r.optimizer += " (per-Block step in backward, gradients released)";
+  }
   if (a.raw_step) r.optimizer += " (raw step)";
   else r.optimizer += " + OptimManager";
 
@@ -318,6 +325,7 @@ int run(const Args& a) {
   if (a.framework == "bmt" && a.zero != 3) config += " zero" + std::to_string(a.zero);
   if (a.tp > 1) config += " tp" + std::to_string(a.tp);
   if (a.checkpointing) config += " ckpt";
+  if (a.step_in_backward) config += " step-in-backward";
   if (a.offload) {
     if (a.offload_gpu_blocks > 0) config += " offload-gpu-blocks" + std::to_string(a.offload_gpu_blocks);
     else config += a.offload_blocks_only ? " offload-blocks" : " offload";
@@ -419,6 +427,7 @@ int run(const Args& a) {
       << ",\"optimizer\":" << json_str(r.optimizer) << ",\"offload_early_blocks_per_step\":" << json_num(early_per_step)
       << ",\"profile\":" << profile_json << ",\"offload_gpu_blocks\":" << a.offload_gpu_blocks << ",\"offload_grad_bf16\":" << (a.offload_grad_bf16 ? "true" : "false")
       << ",\"offload_async\":" << (a.offload_async ? "true" : "false")
+      << ",\"step_in_backward\":" << (a.step_in_backward ? "true" : "false")
       << "}";
     std::ofstream out(a.json_path, std::ios::app);
     if (!out) throw std::runtime_error("cannot open --json file " + a.json_path);

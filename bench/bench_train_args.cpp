@@ -22,6 +22,7 @@ const char* kUsage =
     "                       [--offload-gpu-blocks K (--offload-blocks, and the first K Blocks keep GPU Adam too)]\n"
     "                       [--offload-grad-bf16 (offload: gradients cross the bus rounded to bf16)]\n"
     "                       [--offload-async (offload: the next forward waits per Block for the CPU updates)]\n"
+    "                       [--step-in-backward (GPU Adam per Block during the backward; fp32 gradients freed)]\n"
     "                       [--profile (2 extra steps under the profiler: GPU busy vs idle, top kernels)]\n"
     "                       [--force (skip the host memory check)]\n"
     "                       [--seed S] [--tp N (bmt: tensor parallelism; run under bmtrun with N | world)]\n";
@@ -71,6 +72,7 @@ Args parse_args(int argc, char** argv) {
       a.offload_gpu_blocks = to_int(f, need(i));
     } else if (f == "--offload-grad-bf16") a.offload_grad_bf16 = true;
     else if (f == "--offload-async") a.offload_async = true;
+    else if (f == "--step-in-backward") a.step_in_backward = true;
     else if (f == "--profile") a.profile = true;
     else if (f == "--raw-step") a.raw_step = true;
     else if (f == "--no-overlap") a.no_overlap = true;
@@ -86,6 +88,8 @@ Args parse_args(int argc, char** argv) {
   if (a.framework != "bmt" && a.framework != "plain")
     throw std::invalid_argument("--framework must be bmt or plain, got '" + a.framework + "'");
   if (a.zero != 2 && a.zero != 3) throw std::invalid_argument("--zero must be 2 or 3");
+  if (a.step_in_backward && (a.offload || a.raw_step))
+    throw std::invalid_argument("--step-in-backward is for the GPU AdamOptimizer under the OptimManager (no --offload, no --raw-step)");
   if (a.offload_blocks_only && a.raw_step) throw std::invalid_argument("--offload-blocks needs the OptimManager (no --raw-step)");
   if (a.offload_gpu_blocks < 0) throw std::invalid_argument("--offload-gpu-blocks must be >= 0");
   if ((a.offload_grad_bf16 || a.offload_async) && !a.offload)

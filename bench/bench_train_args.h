@@ -20,6 +20,7 @@ struct Args {
   bool offload_blocks_only = false;  // --offload-blocks: CPU Adam for Block parameters, GPU Adam for the rest
   int64_t offload_gpu_blocks = 0;    // --offload-gpu-blocks K: also the first K Blocks keep GPU Adam
   bool offload_grad_bf16 = false;    // --offload-grad-bf16: gradients cross the bus in bf16
+  bool step_in_backward = false;     // --step-in-backward: GPU Adam per Block during the backward, gradients freed
   bool offload_async = false;        // --offload-async: step() returns before the Blocks' CPU updates finish
   bool profile = false;              // --profile: 2 more steps under the Kineto profiler (GPU busy/idle, kernels)
   std::string json_path;

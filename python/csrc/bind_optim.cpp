@@ -167,6 +167,7 @@ void bind_optim(py::module_& m) {
            },
            py::arg("optimizer"), py::arg("lr_scheduler") = nullptr)
       .def("overlap_offload_with_backward", &OptimManager::overlap_offload_with_backward)
+      .def("overlap_step_with_backward", &OptimManager::overlap_step_with_backward, py::arg("release_gradients") = true)
       .def("zero_grad", &OptimManager::zero_grad, py::call_guard<py::gil_scoped_release>())
       .def("scale_loss", &OptimManager::scale_loss)
       .def("backward", &OptimManager::backward, py::call_guard<py::gil_scoped_release>())

@@ -171,8 +171,8 @@ void Block::build_storage() {
     const int ws = g->comm->size(), r = g->comm->rank();
     g->partition_numel = (g->used_numel + ws - 1) / ws;
     g->shard = at::zeros({g->partition_numel}, at::TensorOptions().dtype(g->dtype).device(dev));
-    g->grad_shard = at::zeros({g->partition_numel},
-                              at::TensorOptions().dtype(grad_dtype_for(g->dtype, options_.reduce_dtype)).device(dev));
+    g->grad_shard_options = at::TensorOptions().dtype(grad_dtype_for(g->dtype, options_.reduce_dtype)).device(dev);
+    g->grad_shard = at::zeros({g->partition_numel}, g->grad_shard_options);
     (void)r;
   }
   at::NoGradGuard no_grad;

@@ -82,6 +82,10 @@ class Block : public ParamOwner, public std::enable_shared_from_this<Block> {
   int64_t shard_nbytes() const;
   int64_t full_nbytes() const;
   int64_t grad_nbytes() const;
+  // Frees the gradient shards (after an optimizer already applied them, e.g. OptimManager::overlap_step_with_backward
+  // with release_gradients): the parameters' main gradients become undefined until the next reduction, which
+  // allocates zeroed shards again. Refused while a deferred (GradSyncGuard) accumulation is pending.
+  void release_gradients();
   // Bytes held by the gathered buffers' storage, including storage that only autograd's saved views still
   // reference (ZeRO-3 without checkpointing frees it after forward and refills it before backward): 0 after release.
   int64_t gathered_storage_nbytes() const;
@@ -108,6 +112,8 @@ class Block : public ParamOwner, public std::enable_shared_from_this<Block> {
   // forward_fn_ with `context` current on this thread.
   std::vector<at::Tensor> call_forward_fn(const std::vector<at::Tensor>& inputs, const CallContext& context);
   void reduce_gradients(const std::vector<at::Tensor>& param_grads);
+  // The group's gradient shard, allocated (zeroed) and pointed to by its parameters' main gradients if released.
+  at::Tensor& grad_shard_of(size_t group_index);
   at::Tensor packed_gradient(const Group& g, size_t group_index, const std::vector<at::Tensor>& param_grads) const;
 
   std::shared_ptr<torch::nn::Module> module_;

@@ -9,6 +9,7 @@
 #include "bmt/block_internal.h"
 #include "bmt/core/kernels/accumulate_internal.h"
 #include "bmt/memory_stats.h"
+#include "bmt/param_registry.h"
 #include "bmt/parameter.h"
 #include "bmt/stream_sync.h"
 #include "bmt/tensor_adapter_internal.h"
@@ -46,7 +47,7 @@ void run_grad_ready_hooks(Block& block) {
 
 at::Tensor Block::packed_gradient(const Group& g, size_t gi, const std::vector<at::Tensor>& param_grads) const {
   // Every element is written once: parameter gradients (zeros where a parameter got none) and the alignment gaps.
-  at::Tensor flat = at::empty({g.partition_numel * g.comm->size()}, g.grad_shard.options());
+  at::Tensor flat = at::empty({g.partition_numel * g.comm->size()}, g.grad_shard_options);
   int64_t filled = 0;  // slots of a group are laid out in increasing offsets
   for (size_t i = 0; i < slots_.size(); ++i) {
     const Slot& s = *slots_[i];
@@ -61,6 +62,41 @@ at::Tensor Block::packed_gradient(const Group& g, size_t gi, const std::vector<a
   return flat;
 }
 
+at::Tensor& Block::grad_shard_of(size_t gi) {
+  Group& g = *groups_[gi];
+  if (!g.grad_released) return g.grad_shard;
+  g.grad_shard = at::zeros({g.partition_numel}, g.grad_shard_options);
+  g.grad_released = false;
+  memory::add_grad_bytes(g.grad_shard.nbytes());
+  for (auto& s : slots_) {
+    if (s->group != gi) continue;
+    at::Tensor view = g.grad_shard.narrow(0, s->local_begin, s->local_numel);
+    set_main_grad(s->param, view);
+    if (g.grad_shard.scalar_type() == g.dtype) s->param.mutable_grad() = view;
+  }
+  return g.grad_shard;
+}
+
+void Block::release_gradients() {
+  wait_for_gradient_reduction();  // the compute stream (whose allocations may reuse the bytes) after the reduction
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = *groups_[gi];
+    if (g.grad_released || !g.grad_shard.defined()) continue;
+    BMT_CHECK(!g.deferred_grad_full.defined(), "Block::release_gradients (", module_->name(), "): gradients of "
+              "micro-batches accumulated under GradSyncGuard are not reduced yet; release them after the reduction");
+    for (auto& s : slots_) {
+      if (s->group != gi) continue;
+      set_main_grad(s->param, at::Tensor());
+      if (s->param.grad().defined()) s->param.mutable_grad().reset();
+    }
+    // Stream order makes this safe: the reduction (comm stream) was waited for by the update that read it, and
+    // the caching allocator hands the bytes only to work queued after that update on the same stream.
+    memory::add_grad_bytes(-g.grad_shard.nbytes());
+    g.grad_shard = at::Tensor();
+    g.grad_released = true;
+  }
+}
+
 void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
   auto calc = calc_stream();
   auto comm_s = load_stream();
@@ -69,7 +105,8 @@ void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
     bool any = false;
     for (size_t i = 0; i < slots_.size(); ++i) any = any || (slots_[i]->group == gi && param_grads[i].defined());
     if (!any && !g.deferred_grad_full.defined()) continue;
-    const at::ScalarType rdt = g.grad_shard.scalar_type();
+    if (grad_sync_enabled()) grad_shard_of(gi);
+    const at::ScalarType rdt = c10::typeMetaToScalarType(g.grad_shard_options.dtype());
     const int ws = g.comm->size();
     if (ws == 1 && grad_sync_enabled() && !g.deferred_grad_full.defined() && g.tp_grad_reduce == TpGradReduce::kNone) {
       // One rank, nothing to reduce: accumulate straight into the shard (same layout), on the compute stream.

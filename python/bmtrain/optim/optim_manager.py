@@ -38,6 +38,14 @@ class OptimManager:
         manager; .num_early_starts counts the updates started early."""
         return _OverlapHandle(self._c.overlap_offload_with_backward())
 
+    def overlap_step_with_backward(self, release_gradients=True):
+        """Updates each Block as soon as its gradients are reduced, during the rest of the backward, with every Adam
+        of this manager (GPU AdamOptimizer: queued without a host wait; AdamOffloadOptimizer as above). With
+        release_gradients a Block's fp32 gradient shards are freed after its update, so the model's gradients are
+        never all held at once. clip_grad_norm is refused after early updates; refused with loss scaling. Returns a
+        handle like overlap_offload_with_backward()."""
+        return _OverlapHandle(self._c.overlap_step_with_backward(bool(release_gradients)))
+
     def scale_loss(self, loss):
         return self._c.scale_loss(loss)
 

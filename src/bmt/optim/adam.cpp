@@ -1,9 +1,14 @@
 #include "bmt/optim/adam.h"
 
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
 #include <map>
+#include <unordered_map>
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/thread_pool.h"
+#include "bmt/stream_sync.h"
 #include "bmt/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
@@ -34,25 +39,53 @@ AdamState AdamOptimizer::new_state(const at::Tensor& p) const {
 
 void AdamOptimizer::do_step(double loss_scale) {
   validate_groups();
+  std::vector<std::pair<at::Tensor, size_t>> rest;  // (parameter, group)
+  for (size_t g = 0; g < param_groups_.size(); ++g)
+    for (const at::Tensor& p : param_groups_[g].params())
+      if (!started_.count(p.unsafeGetTensorImpl())) rest.emplace_back(p, g);
+  launch(rest, loss_scale);
+  started_.clear();
+}
+
+void AdamOptimizer::step_params(const std::vector<at::Tensor>& params, double loss_scale) {
+  BMT_CHECK(std::isfinite(loss_scale) && loss_scale > 0, "AdamOptimizer::step_params: loss_scale must be finite and "
+            "> 0, got ", loss_scale);
+  validate_groups();
+  std::unordered_map<const void*, size_t> group_of;
+  for (size_t g = 0; g < param_groups_.size(); ++g)
+    for (const at::Tensor& p : param_groups_[g].params()) group_of.emplace(p.unsafeGetTensorImpl(), g);
+  std::vector<std::pair<at::Tensor, size_t>> chosen;
+  for (const at::Tensor& p : params) {
+    auto it = group_of.find(p.unsafeGetTensorImpl());
+    BMT_CHECK(it != group_of.end(), "AdamOptimizer::step_params: a tensor of shape ", p.sizes(),
+              " is not a parameter of this optimizer");
+    BMT_CHECK(started_.insert(p.unsafeGetTensorImpl()).second, "AdamOptimizer::step_params: a parameter of shape ",
+              p.sizes(), " was already updated in this iteration; call step() or zero_grad() to end it first");
+    chosen.emplace_back(p, it->second);
+  }
+  wait_for_gradient_reduction();
+  at::NoGradGuard no_grad;
+  launch(chosen, loss_scale);
+}
+
+void AdamOptimizer::launch(const std::vector<std::pair<at::Tensor, size_t>>& params, double loss_scale) {
   const float inv_scale = static_cast<float>(1.0 / loss_scale);
   std::vector<core::kernels::AdamTensorArgs> cpu_args;
   std::map<int, std::vector<core::kernels::AdamTensorArgs>> cuda_args;  // by device index
   std::vector<at::Tensor> grads;  // keeps contiguous copies alive until the kernels ran / were enqueued
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
+  for (const auto& [p, g] : params) {
     const AdamOptions& o = group_options(g);
-    for (const at::Tensor& p : param_groups_[g].params()) {
-      at::Tensor grad = usable_grad(p);
-      if (!grad.defined()) continue;
-      grads.push_back(grad);
-      AdamState& s = state_for(p);
-      s.step += 1;
-      core::kernels::AdamTensorArgs a = kernel_args(p.data_ptr(), p, grad, s, o);
-      if (p.is_cpu()) {
-        cpu_args.push_back(a);
-      } else {
-        BMT_CHECK(p.is_cuda(), "AdamOptimizer: parameters on ", p.device(), " are not supported (CPU or CUDA only)");
-        cuda_args[p.device().index()].push_back(a);
-      }
+    at::Tensor grad = usable_grad(p);
+    if (!grad.defined()) continue;
+    grads.push_back(grad);
+    AdamState& s = state_for(p);
+    s.step += 1;
+    core::kernels::AdamTensorArgs a = kernel_args(p.data_ptr(), p, grad, s, o);
+    if (p.is_cpu()) {
+      cpu_args.push_back(a);
+    } else {
+      BMT_CHECK(p.is_cuda(), "AdamOptimizer: parameters on ", p.device(), " are not supported (CPU or CUDA only)");
+      cuda_args[p.device().index()].push_back(a);
     }
   }
   if (!cpu_args.empty())

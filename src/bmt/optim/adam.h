@@ -8,8 +8,15 @@
 //    does not advance).
 //  * One fused multi-tensor kernel per step: CPU parameters run core::kernels::adam_cpu on the global ThreadPool,
 //    CUDA parameters core::kernels::adam_cuda on each device's current stream (no host synchronisation).
+//  * step_params(params, loss_scale) updates some parameters now (OptimManager::overlap_step_with_backward: a
+//    Block's update as soon as its gradients are reduced); step() then updates only the others, and step() or
+//    zero_grad() ends the iteration. A parameter can be updated once per iteration.
 //  * Matches torch::optim::AdamW with the same hyper-parameters (amsgrad off) up to float rounding.
 #pragma once
+
+#include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "bmt/optim/adam_base.h"
 
@@ -17,6 +24,11 @@ namespace bmt::optim {
 
 class AdamOptimizer : public AdamBase {
  public:
+  // Queues the update of `params` (parameters of this optimizer not updated yet in this iteration) now.
+  void step_params(const std::vector<at::Tensor>& params, double loss_scale = 1.0);
+  // Parameters updated by step_params in the current iteration.
+  size_t num_started() const { return started_.size(); }
+
   explicit AdamOptimizer(std::vector<at::Tensor> params, const AdamOptions& defaults = {});
   explicit AdamOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                          const AdamOptions& defaults = {});
@@ -25,6 +37,12 @@ class AdamOptimizer : public AdamBase {
  protected:
   void do_step(double loss_scale) override;
   AdamState new_state(const at::Tensor& p) const override;
+  void before_zero_grad() override { started_.clear(); }
+
+ private:
+  // Queues one fused update of `params` (those with a usable gradient).
+  void launch(const std::vector<std::pair<at::Tensor, size_t>>& params, double loss_scale);
+  std::unordered_set<const void*> started_;
 };
 
 }  // namespace bmt::optim

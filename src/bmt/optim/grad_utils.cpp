@@ -39,14 +39,9 @@ bool grads_have_inf_nan(const std::vector<at::Tensor>& params, core::Communicato
   return grads_have_inf_nan(params, std::vector<core::Communicator*>{comm});
 }
 
-bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms) {
-  core::Communicator* first = nullptr;
-  for (core::Communicator* c : comms)
-    if (c != nullptr && first == nullptr) first = c;
-  if (is_initialized()) wait_for_gradient_reduction();
+bool accumulate_inf_nan_flag(const std::vector<at::Tensor>& params, at::Tensor& device_flag) {
   at::NoGradGuard no_grad;
   bool host_found = false;
-  at::Tensor device_flag;  // int32 on the CUDA device of the gradients, written by has_inf_nan_cuda
   for (const auto& p : params) {
     at::Tensor g = main_grad(p);
     if (!g.defined() || g.numel() == 0) continue;
@@ -67,6 +62,18 @@ bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector
     BMT_ERROR("grads_have_inf_nan: gradient on ", g.device(), " in a build without CUDA");
 #endif
   }
+  return host_found;
+}
+
+bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms,
+                        bool local_found) {
+  core::Communicator* first = nullptr;
+  for (core::Communicator* c : comms)
+    if (c != nullptr && first == nullptr) first = c;
+  if (is_initialized()) wait_for_gradient_reduction();
+  at::NoGradGuard no_grad;
+  at::Tensor device_flag;  // int32 on the CUDA device of the gradients, written by has_inf_nan_cuda
+  const bool host_found = accumulate_inf_nan_flag(params, device_flag) || local_found;
   at::Tensor flag = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(reduction_device(first)));
   if (device_flag.defined()) flag.copy_(device_flag.to(at::kFloat).to(flag.device()));
   if (host_found) flag.fill_(1.0);

@@ -21,7 +21,12 @@ namespace bmt::optim {
 bool grads_have_inf_nan(const std::vector<at::Tensor>& params, core::Communicator* comm);
 // The same, agreeing over each of `comms` in turn (one all_reduce(max) each; nullptr entries are skipped), e.g. the
 // sharding groups of one Block's parameters.
-bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms);
+bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms,
+                        bool local_found = false);
+// Without a collective or a host wait: ORs "some gradient of `params` is inf/NaN" into `device_flag` (an int32
+// one-element tensor on the gradients' CUDA device, created when undefined) for CUDA gradients; returns the answer
+// for CPU gradients.
+bool accumulate_inf_nan_flag(const std::vector<at::Tensor>& params, at::Tensor& device_flag);
 
 // The global norm_type-norm (finite p >= 1, or INFINITY) of the gradients of `params`. One all_reduce
 // (sum for p-norms, max for the inf-norm). May return inf/NaN if a gradient overflowed.

@@ -5,6 +5,7 @@
 
 #include "bmt/block.h"
 #include "bmt/core/error.h"
+#include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/grad_utils.h"
 #include "bmt/optim/offload_overlap_internal.h"
@@ -13,13 +14,32 @@
 namespace bmt::optim {
 namespace detail {
 
-OffloadOverlapState::OffloadOverlapState(std::vector<std::shared_ptr<AdamOffloadOptimizer>> optimizers)
-    : optimizers_(std::move(optimizers)) {
+OffloadOverlapState::OffloadOverlapState(std::vector<std::shared_ptr<AdamOffloadOptimizer>> optimizers,
+                                         std::vector<std::shared_ptr<AdamOptimizer>> device_optimizers,
+                                         bool release_gradients)
+    : optimizers_(std::move(optimizers)),
+      device_optimizers_(std::move(device_optimizers)),
+      release_gradients_(release_gradients) {
   for (const auto& opt : optimizers_) {
     std::unordered_set<const void*> mine;
     for (const at::Tensor& p : opt->flat_params()) mine.insert(p.unsafeGetTensorImpl());
     owned_.push_back(std::move(mine));
   }
+  for (const auto& opt : device_optimizers_) {
+    std::unordered_set<const void*> mine;
+    for (const at::Tensor& p : opt->flat_params()) mine.insert(p.unsafeGetTensorImpl());
+    device_owned_.push_back(std::move(mine));
+  }
+}
+
+bool OffloadOverlapState::take_local_nonfinite() {
+  bool found = local_nonfinite_host_;
+  if (local_nonfinite_.defined()) {
+    found = found || local_nonfinite_.item<int>() != 0;
+    local_nonfinite_.zero_();
+  }
+  local_nonfinite_host_ = false;
+  return found;
 }
 
 OffloadOverlapState::~OffloadOverlapState() { remove_hook(); }
@@ -42,6 +62,7 @@ void OffloadOverlapState::on_block_reduced(Block& block) {
   // An iteration ended without the manager (the optimizers' own step() or zero_grad()): start a new record.
   bool none_started = true;
   for (const auto& opt : optimizers_) none_started = none_started && opt->num_started() == 0;
+  for (const auto& opt : device_optimizers_) none_started = none_started && opt->num_started() == 0;
   if (none_started && !early_blocks_.empty()) end_iteration();
   const std::vector<at::Tensor> block_params = block.module()->parameters();
   for (size_t k = 0; k < optimizers_.size(); ++k) {
@@ -70,10 +91,36 @@ void OffloadOverlapState::on_block_reduced(Block& block) {
     early_blocks_.push_back(what);
     ++num_early_;
   }
+  // Device optimizers: no host wait here (that would stall the launch of the rest of the backward); the inf/NaN
+  // flag is checked by step(), which throws if an updated Block had one (the run diverged, as above).
+  size_t updated_on_device = 0;
+  for (size_t k = 0; k < device_optimizers_.size(); ++k) {
+    std::vector<at::Tensor> mine;
+    for (const at::Tensor& p : block_params)
+      if (device_owned_[k].count(p.unsafeGetTensorImpl())) mine.push_back(p);
+    if (mine.empty()) continue;
+    BMT_CHECK(seen_this_iteration_.insert({&block, optimizers_.size() + k}).second, "overlap_step_with_backward: a "
+              "Block (", block.module()->name(), ") reduced its gradients twice in one iteration, but its update "
+              "starts after the first reduction; accumulate micro-batches under bmt::GradSyncGuard (one reduction per "
+              "step), or remove the OffloadOverlap handle");
+    local_nonfinite_host_ = accumulate_inf_nan_flag(mine, local_nonfinite_) || local_nonfinite_host_;
+    device_optimizers_[k]->step_params(mine, /*loss_scale=*/1.0);
+    early_blocks_.push_back(core::concat("#", blocks_seen_, " (", block.module()->name(), ")"));
+    ++num_early_;
+    updated_on_device += mine.size();
+  }
+  if (release_gradients_ && updated_on_device > 0) {
+    size_t trainable = 0;
+    for (const at::Tensor& p : block_params) trainable += p.requires_grad() ? 1 : 0;
+    // Only when nothing else still needs these gradients (another optimizer's step(), say).
+    if (updated_on_device == trainable) block.release_gradients();
+  }
   ++blocks_seen_;
 }
 
 void OffloadOverlapState::end_iteration() {
+  if (local_nonfinite_.defined()) local_nonfinite_.zero_();
+  local_nonfinite_host_ = false;
   seen_this_iteration_.clear();
   early_blocks_.clear();
   nonfinite_blocks_.clear();

@@ -10,6 +10,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/init.h"
+#include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/grad_utils.h"
 #include "bmt/optim/offload_overlap_internal.h"
@@ -102,6 +103,26 @@ OffloadOverlap OptimManager::overlap_offload_with_backward() {
   return OffloadOverlap(std::move(state));
 }
 
+OffloadOverlap OptimManager::overlap_step_with_backward(bool release_gradients) {
+  BMT_CHECK(!loss_scale_enabled_, "OptimManager::overlap_step_with_backward: dynamic loss scaling is on (loss scale ",
+            loss_scale_, "); it skips steps on overflow, but a Block updated early cannot be un-updated. Train "
+            "without the overlap, or without loss scaling (bf16 / fp32: OptimManagerOptions::loss_scale = 0)");
+  BMT_CHECK(active_overlap() == nullptr, "OptimManager::overlap_step_with_backward: an overlap is already on for "
+            "this manager; remove() the first handle before asking again");
+  std::vector<std::shared_ptr<AdamOffloadOptimizer>> offload;
+  std::vector<std::shared_ptr<AdamOptimizer>> device;
+  for (const auto& opt : optimizers_) {
+    if (auto o = std::dynamic_pointer_cast<AdamOffloadOptimizer>(opt)) offload.push_back(std::move(o));
+    else if (auto d = std::dynamic_pointer_cast<AdamOptimizer>(opt)) device.push_back(std::move(d));
+  }
+  BMT_CHECK(!offload.empty() || !device.empty(), "OptimManager::overlap_step_with_backward: no AdamOptimizer or "
+            "AdamOffloadOptimizer was added to this manager (add_optimizer it first); other optimizers update in step()");
+  auto state = std::make_shared<detail::OffloadOverlapState>(std::move(offload), std::move(device), release_gradients);
+  state->install();
+  overlap_ = state;
+  return OffloadOverlap(std::move(state));
+}
+
 void OptimManager::zero_grad() {
   if (is_initialized()) wait_for_gradient_reduction();
   if (auto overlap = overlap_.lock()) overlap->end_iteration();
@@ -134,7 +155,8 @@ bool OptimManager::step() {
   BMT_CHECK(!(overlap && overlap->installed() && loss_scale_enabled_), "OptimManager::step: dynamic loss scaling "
             "was turned on (load_state_dict?) while the offload overlap is on; remove the OffloadOverlap handle or "
             "load a state without loss scaling");
-  if (grads_have_inf_nan(params, world_comm())) {
+  const bool early_nonfinite = overlap != nullptr && overlap->take_local_nonfinite();
+  if (grads_have_inf_nan(params, std::vector<core::Communicator*>{world_comm()}, early_nonfinite)) {
     if (overlap && !overlap->early_blocks().empty()) {
       const std::vector<std::string> early = overlap->early_blocks();
       const std::vector<std::string> held = overlap->nonfinite_blocks();
@@ -196,6 +218,10 @@ double OptimManager::clip_grad_norm(const std::vector<at::Tensor>& params, doubl
                                     double eps) {
   BMT_CHECK(std::isfinite(max_norm) && max_norm > 0, "clip_grad_norm: max_norm must be > 0, got ", max_norm);
   BMT_CHECK(std::isfinite(eps) && eps >= 0, "clip_grad_norm: eps must be >= 0, got ", eps);
+  if (auto overlap = overlap_.lock())
+    BMT_CHECK(overlap->early_blocks().empty(), "clip_grad_norm: ", overlap->early_blocks().size(), " Block(s) were "
+              "already updated during this backward (overlap_step_with_backward / overlap_offload_with_backward), "
+              "but clipping needs the norm of every gradient before any update. Remove the overlap handle to clip");
   // Gradients carry loss_scale / grad_scale relative to d(loss)/d(p) * (1 / grad_scale); the optimizer divides by
   // loss_scale only, so the unscaled norm is norm / loss_scale.
   double total = global_grad_norm(params, norm_type, world_comm()) / loss_scale_;

@@ -72,6 +72,15 @@ class OptimManager {
   // follow early updates that cannot be undone, when no AdamOffloadOptimizer was added, or while another handle of
   // this manager is active. The returned handle undoes it (remove() or its destructor).
   OffloadOverlap overlap_offload_with_backward();
+  // The same for every Adam of this manager: AdamOffloadOptimizers as above, and AdamOptimizers (state on the GPU)
+  // whose Block updates are queued right after the Block's gradient reduction, without a host wait (the inf/NaN
+  // check of those Blocks is folded into step()'s one check; an inf/NaN found there after early updates throws,
+  // as above). With release_gradients, a Block updated wholly early frees its gradient shards until its next
+  // backward: the gradients of the whole model are never held at once (the fp32 gradient bytes of a step drop to
+  // those of the Blocks in flight plus the parameters outside Blocks). Gradient clipping needs every gradient
+  // before any update, so clip_grad_norm() is refused after early updates. Refused with dynamic loss scaling,
+  // when no Adam optimizer was added, or while another handle is active.
+  OffloadOverlap overlap_step_with_backward(bool release_gradients = true);
   double clip_grad_norm(double max_norm, double norm_type = 2.0, double eps = 1e-6);
   // The same over an explicit parameter list (BMTrain's clip_grad_norm(param_groups, ...)).
   double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, double norm_type = 2.0,

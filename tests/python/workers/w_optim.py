@@ -330,5 +330,38 @@ def offload_overlap_with_backward():
         raise AssertionError("overlap_offload_with_backward() accepted a manager with loss scaling")
 
 
+@case
+def step_in_backward_releases_gradients():
+    """OptimManager.overlap_step_with_backward() with AdamOptimizer: each Block is updated during the backward and
+    its gradient shards are freed; parameters equal the plain steps' bit for bit; clipping is then refused."""
+    M = make(BMT)
+    runs = {}
+    for overlap in (False, True):
+        model = M.Net(D, 2, 11)
+        opt = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-2, betas=BETAS, eps=EPS, weight_decay=0.05)
+        om = bmt.optim.OptimManager(loss_scale=None)
+        om.add_optimizer(opt)
+        handle = om.overlap_step_with_backward() if overlap else None
+        for step in range(3):
+            om.zero_grad()
+            om.backward(_loss(model(rank_input(rank(), B, D, seed=60 + step))))
+            if handle is not None and step == 2:
+                try:
+                    om.clip_grad_norm(opt.param_groups, 1.0)
+                except RuntimeError as e:
+                    if "before any update" not in str(e):
+                        raise AssertionError(f"clip_grad_norm refusal does not say why: {e}")
+                else:
+                    raise AssertionError("clip_grad_norm accepted a model whose Blocks were already updated")
+            om.step()
+        if handle is not None:
+            if handle.num_early_starts != 3 * 2:
+                raise AssertionError(f"{handle.num_early_starts} Block updates during the backward, expected 6")
+            handle.remove()
+        runs[overlap] = model.state_dict()
+    for k, v in runs[False].items():
+        assert_equal(f"step in backward vs plain: {k}", runs[True][k], v)
+
+
 if __name__ == "__main__":
     main()
