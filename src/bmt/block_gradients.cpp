@@ -4,6 +4,7 @@
 
 #include <map>
 #include <optional>
+#include <utility>
 
 #include "bmt/block.h"
 #include "bmt/block_internal.h"
@@ -65,8 +66,10 @@ at::Tensor Block::packed_gradient(const Group& g, size_t gi, const std::vector<a
 at::Tensor& Block::grad_shard_of(size_t gi) {
   Group& g = *groups_[gi];
   if (!g.grad_released) return g.grad_shard;
-  g.grad_shard = at::zeros({g.partition_numel}, g.grad_shard_options);
+  // Not zeroed: the reduction that asked for it writes every element (grad_fresh), sparing a memset of the shard.
+  g.grad_shard = at::empty({g.partition_numel}, g.grad_shard_options);
   g.grad_released = false;
+  g.grad_fresh = true;
   memory::add_grad_bytes(g.grad_shard.nbytes());
   for (auto& s : slots_) {
     if (s->group != gi) continue;
@@ -104,15 +107,37 @@ void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
     Group& g = *groups_[gi];
     bool any = false;
     for (size_t i = 0; i < slots_.size(); ++i) any = any || (slots_[i]->group == gi && param_grads[i].defined());
-    if (!any && !g.deferred_grad_full.defined()) continue;
-    if (grad_sync_enabled()) grad_shard_of(gi);
+    // A released shard comes back even without gradients (zeros), as a kept one would hold them: the optimizer
+    // then updates these parameters exactly as it would without the release.
+    bool fresh = false;
+    if (grad_sync_enabled() && g.grad_released) {
+      grad_shard_of(gi);
+      fresh = std::exchange(g.grad_fresh, false);
+    }
+    if (!any && !g.deferred_grad_full.defined()) {
+      if (fresh) g.grad_shard.zero_();
+      continue;
+    }
     const at::ScalarType rdt = c10::typeMetaToScalarType(g.grad_shard_options.dtype());
     const int ws = g.comm->size();
     if (ws == 1 && grad_sync_enabled() && !g.deferred_grad_full.defined() && g.tp_grad_reduce == TpGradReduce::kNone) {
-      // One rank, nothing to reduce: accumulate straight into the shard (same layout), on the compute stream.
-      for (size_t i = 0; i < slots_.size(); ++i)
-        if (slots_[i]->group == gi && param_grads[i].defined())
-          accumulate_into(g.grad_shard.narrow(0, slots_[i]->offset, slots_[i]->numel), param_grads[i].reshape({-1}));
+      // One rank, nothing to reduce: accumulate straight into the shard (same layout), on the compute stream; a
+      // fresh shard is written (copies, zeros for the alignment gaps and parameters without a gradient).
+      int64_t filled = 0;
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        const Slot& s = *slots_[i];
+        if (s.group != gi) continue;
+        at::Tensor dst = g.grad_shard.narrow(0, s.offset, s.numel);
+        if (fresh) {
+          if (s.offset > filled) g.grad_shard.narrow(0, filled, s.offset - filled).zero_();
+          if (param_grads[i].defined()) dst.copy_(param_grads[i].reshape({-1}));
+          else dst.zero_();
+          filled = s.offset + s.numel;
+        } else if (param_grads[i].defined()) {
+          accumulate_into(dst, param_grads[i].reshape({-1}));
+        }
+      }
+      if (fresh && g.grad_shard.numel() > filled) g.grad_shard.narrow(0, filled, g.grad_shard.numel() - filled).zero_();
       continue;
     }
     at::Tensor flat = packed_gradient(g, gi, param_grads);
@@ -140,7 +165,8 @@ void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
     g.comm->reduce_scatter(flat.data_ptr(), mine.data_ptr(), g.partition_numel, to_core_dtype(rdt), options_.reduce_op,
                            comm_s ? comm_s->native_handle() : nullptr);
     reduce_over_tp(mine, g.tp_grad_reduce);  // on the comm stream (current under the guard)
-    g.grad_shard.add_(mine);
+    if (fresh) g.grad_shard.copy_(mine);
+    else g.grad_shard.add_(mine);
   }
 }
 

@@ -26,6 +26,7 @@ struct Block::Group {
   at::Tensor grad_shard;          // allocated when some parameter of the group requires grad
   at::TensorOptions grad_shard_options;  // dtype/device of grad_shard, kept while it is released
   bool grad_released = false;     // grad_shard freed by release_gradients(); reallocated by the next reduction
+  bool grad_fresh = false;        // grad_shard reallocated but not written yet (its reduction overwrites it)
   at::Tensor full;                // gathered buffer (only between gather and release)
   at::Tensor full_store;          // the one storage `full` uses (several ranks); its bytes are freed on release
   at::Tensor deferred_grad_full;  // accumulation while GradSyncGuard defers reduction
