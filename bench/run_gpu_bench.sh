@@ -9,6 +9,7 @@
 #                        >= 30 s remain (the rest are reported as skipped)
 #   BENCH_ONLY=REGEX     run only the run ids matching REGEX (e.g. 'bmt_' or '1p3b'); BENCH_7B=0 drops the
 #                        optional last run (llama-7b, offload + checkpointing)
+#   BENCH_6P7B=1         adds gpt-6.7b with checkpointing: bmt, bmt --step-in-backward, FSDP2
 #   BENCH_SMOKE=1        every run on the tiny preset (seq 64, batch 2, 1 + 2 steps; CPU when no GPU): tests the script
 #   BMT_BENCH_MACHINE, BMT_GIT_COMMIT  override the JSON fields (default: GPU name, git rev-parse or "unknown")
 # Each run is its own process (peak memory per run) with its own timeout; a failure does not stop the others.
@@ -89,6 +90,8 @@ CONFIGS=(
   "bmt_124m|120|bmt|gpt2-124m|1024|16|3|10|"
   "bmt_1p3b|180|bmt|gpt-1.3b|2048|8|2|5|"
   "bmt_1p3b_ckpt|180|bmt|gpt-1.3b|2048|8|2|5|--checkpointing"
+  "bmt_1p3b_sib|180|bmt|gpt-1.3b|2048|8|2|5|--step-in-backward"
+  "bmt_1p3b_ckpt_sib|180|bmt|gpt-1.3b|2048|8|2|5|--checkpointing --step-in-backward"
   "bmt_1p3b_offload|240|bmt|gpt-1.3b|2048|8|2|4|--offload"
   "bmt_1p3b_offload_bf16g|240|bmt|gpt-1.3b|2048|8|2|4|--offload --offload-grad-bf16"
   "bmt_1p3b_offload_async|240|bmt|gpt-1.3b|2048|8|2|4|--offload --offload-grad-bf16 --offload-async"
@@ -101,6 +104,11 @@ CONFIGS=(
   "plain_1p3b_ckpt|180|plain|gpt-1.3b|2048|8|2|5|--checkpointing"
   "fsdp2_1p3b_ckpt|180|fsdp2|gpt-1.3b|2048|8|2|5|--checkpointing"
 )
+# gpt-6.7b with checkpointing (the peers' 6.7B row), with and without the step in backward: BENCH_6P7B=1.
+[ "${BENCH_6P7B:-0}" = 1 ] && CONFIGS+=(
+  "bmt_6p7b_ckpt|240|bmt|gpt-6.7b|2048|2|2|4|--checkpointing"
+  "bmt_6p7b_ckpt_sib|240|bmt|gpt-6.7b|2048|2|2|4|--checkpointing --step-in-backward"
+  "fsdp2_6p7b_ckpt|240|fsdp2|gpt-6.7b|2048|2|2|4|--checkpointing")
 [ "${BENCH_7B:-1}" = 1 ] && CONFIGS+=("bmt_7b_offload_ckpt|300|bmt|llama-7b|2048|2|1|2|--offload --checkpointing --offload-grad-bf16 --offload-async")
 
 for c in "${CONFIGS[@]}"; do
