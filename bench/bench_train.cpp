@@ -22,6 +22,8 @@
 // --offload-grad-bf16 / --offload-async: AdamOffloadOptimizer::set_grad_transfer_dtype(bf16) / set_async_step.
 // --profile: 2 more steps under the Kineto profiler after the timed ones (gpu_profile.h), printed and in the JSON.
 // The command line is parsed in bench_train_args.cpp.
+// --memory-snapshot PATH / --memory-breakdown: what holds the GPU memory peak (bench/memory_report.h): the
+// allocator's pickled history for https://pytorch.org/memory_viz, and a per-category table at the largest sample.
 // --tp N (bmt, under bmtrun): tensor parallelism over N ranks (examples' sequence-parallel layout, vocab-parallel
 // loss); the N ranks of a tp group share one batch, so tokens per step = B·T·(world / N).
 // Reported: tokens/s = N·B·T / (sum of the timed step times); step_s = mean timed step; MFU = tokens/s ·
@@ -62,8 +64,11 @@
 #include "bench_env.h"
 #include "bench_train_args.h"
 #include "gpu_profile.h"
+#include "memory_report.h"
 #include "bmt/block.h"
 #include "bmt/init.h"
+#include "bmt/memory_stats.h"
+#include "bmt/param_registry.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/optim_manager.h"
@@ -135,7 +140,16 @@ struct Runner {
   int world = 1, rank = 0;  // bmt under a launcher: every rank runs B sequences per step
   std::function<int64_t()> early_started = [] { return int64_t{0}; };  // Blocks updated during the backward
   std::function<void()> finish = [] {};
+  // --memory-breakdown: registers the categories this framework can name (bytes on the device now).
+  std::function<void(bench::MemoryBreakdown&)> memory_categories = [](bench::MemoryBreakdown&) {};
 };
+
+// Set while --memory-breakdown samples: the steps call it at their fixed points.
+bench::MemoryBreakdown* g_breakdown = nullptr;
+void sample_memory(const char* where) {
+  if (g_breakdown) g_breakdown->sample(where);
+}
+
 
 struct Failure : std::runtime_error {
   int code;
@@ -242,13 +256,18 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     const int64_t T = tokens.size(1) - 1;
     // model->loss: the vocab-parallel fused cross-entropy under tensor parallelism (no full logits).
     at::Tensor loss = model->loss(tokens.narrow(1, 0, T), tokens.narrow(1, 1, T));
+    sample_memory("after the forward");
     if (raw) {
       loss.backward();
+      sample_memory("after the backward");
       optimizer->step(1.0);  // BmtOptimizer::step orders itself after the gradient reduction
+      sample_memory("after the optimizer step");
       optimizer->zero_grad();
     } else {
       manager->backward(loss);
+      sample_memory("after the backward");
       manager->step();
+      sample_memory("after the optimizer step");
       manager->zero_grad();
     }
     return loss.detach();
@@ -256,6 +275,42 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   r.finish = [overlap] {
     if (overlap) overlap->remove();
     bmt::finalize();
+  };
+  r.memory_categories = [model, optimizer, gpu_optimizer, data_parallel = r.data_parallel](bench::MemoryBreakdown& b) {
+    std::vector<at::Tensor> outside, all;
+    for (const auto& item : model->named_parameters()) {
+      all.push_back(item.value());
+      if (!bmt::in_block(item.value())) outside.push_back(item.value());
+    }
+    auto device_bytes = [](const at::Tensor& t) { return t.defined() && t.is_cuda() ? int64_t(t.nbytes()) : int64_t{0}; };
+    b.add_category("parameter shards held by Blocks", [] { return bmt::memory_stats().shard_nbytes; });
+    b.add_category("parameters outside Blocks (embeddings, final norm)", [outside, device_bytes] {
+      int64_t n = 0;
+      for (const auto& p : outside) n += device_bytes(p);
+      return n;
+    });
+    // One data-parallel rank: a Block's "gathered" buffer is its shard (an alias), no extra bytes.
+    b.add_category("gathered parameter copies of Blocks", [] { return bmt::memory_stats().gathered_nbytes; },
+                   data_parallel > 1);
+    b.add_category("fp32 gradient buffers of Blocks (shards, deferred)", [] { return bmt::memory_stats().grad_nbytes; });
+    b.add_category("gradients outside Blocks (main_grad)", [outside, device_bytes] {
+      int64_t n = 0;
+      for (const auto& p : outside) n += device_bytes(bmt::main_grad(p));
+      return n;
+    });
+    b.add_category("optimizer states on the GPU (fp32 master, exp_avg, exp_avg_sq)",
+                   [all, device_bytes, opts = std::vector<std::shared_ptr<bmt::optim::BmtOptimizer>>{optimizer, gpu_optimizer}] {
+      int64_t n = 0;
+      for (const auto& o : opts) {
+        // Host-side (offload) states are not device bytes; find_state would also wait for running CPU updates.
+        auto* adam = dynamic_cast<bmt::optim::AdamOptimizer*>(o.get());
+        if (adam == nullptr) continue;
+        for (const auto& p : all)
+          if (const bmt::optim::AdamState* s = adam->find_state(p))
+            n += device_bytes(s->exp_avg) + device_bytes(s->exp_avg_sq) + device_bytes(s->master);
+      }
+      return n;
+    });
   };
   return r;
 }
@@ -290,14 +345,29 @@ Runner make_plain_runner(const Args& a, const Shape& shape) {
                                                        a.plain_adamw == "fused");
   r.optimizer = a.plain_adamw == "fused" ? "at::_fused_adamw_" : "torch::optim::AdamW";
   const at::DeviceType dt = r.device.type();
+  r.memory_categories = [m = model.ptr()](bench::MemoryBreakdown& b) {
+    b.add_category("parameters (fp32)", [m] {
+      int64_t n = 0;
+      for (const auto& p : m->parameters()) n += p.is_cuda() ? int64_t(p.nbytes()) : 0;
+      return n;
+    });
+    b.add_category("gradients (fp32)", [m] {
+      int64_t n = 0;
+      for (const auto& p : m->parameters()) n += p.grad().defined() && p.grad().is_cuda() ? int64_t(p.grad().nbytes()) : 0;
+      return n;
+    });
+  };
   r.step = [m = model.ptr(), optimizer, autocast, dt](const at::Tensor& tokens) {
     at::Tensor loss;
     {
       plain::AutocastScope scope(autocast, dt);
       loss = m->loss(tokens);
     }
+    sample_memory("after the forward");
     loss.backward();
+    sample_memory("after the backward");
     optimizer->step();
+    sample_memory("after the optimizer step");
     optimizer->zero_grad();
     return loss.detach();
   };
@@ -310,8 +380,19 @@ int run(const Args& a) {
   const int64_t B = a.batch > 0 ? a.batch : shape.default_batch;
   const double t_start = now_s();
 
+  // The history starts before the model exists, so the snapshot sees every allocation.
+  const bool recording = !a.memory_snapshot.empty() && bench::start_memory_history();
   Runner r = a.framework == "bmt" ? make_bmt_runner(a, shape) : make_plain_runner(a, shape);
   const bool cuda = r.device.is_cuda();
+  std::unique_ptr<bench::MemoryBreakdown> breakdown;
+  int grad_hook = -1;
+  if (a.memory_breakdown) {
+    breakdown = std::make_unique<bench::MemoryBreakdown>(cuda && r.device.index() >= 0 ? r.device.index() : 0);
+    r.memory_categories(*breakdown);
+    g_breakdown = breakdown.get();
+    if (a.framework == "bmt")
+      grad_hook = bmt::add_grad_ready_hook([](bmt::Block&) { sample_memory("after a Block's gradients were reduced"); });
+  }
   const double flops_per_token = 6.0 * static_cast<double>(r.num_matmul_params) +
                                  6.0 * static_cast<double>(shape.model.num_layers * shape.model.dim * T);
   std::string config = a.preset + " seq" + std::to_string(T) + " batch" + std::to_string(B);
@@ -357,6 +438,12 @@ int run(const Args& a) {
     times.push_back(now_s() - t0);
   }
   const int64_t early_started = r.early_started();  // before the profiled steps add theirs
+  if (breakdown) {
+    std::printf("%s", breakdown->report().c_str());
+    g_breakdown = nullptr;
+    if (grad_hook >= 0) bmt::remove_grad_ready_hook(grad_hook);
+  }
+  if (recording) bench::write_memory_snapshot(a.memory_snapshot);
   std::string profile_json = "null";
   if (a.profile) {
     // After the timed steps, so the profiler's overhead never touches the figures above.
