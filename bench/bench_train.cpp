@@ -67,8 +67,6 @@
 #include "memory_report.h"
 #include "bmt/block.h"
 #include "bmt/init.h"
-#include "bmt/memory_stats.h"
-#include "bmt/param_registry.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/optim_manager.h"
@@ -139,6 +137,7 @@ struct Runner {
   std::string precision, optimizer;
   int world = 1, rank = 0;  // bmt under a launcher: every rank runs B sequences per step
   std::function<int64_t()> early_started = [] { return int64_t{0}; };  // Blocks updated during the backward
+  std::function<int64_t()> skipped_steps = [] { return int64_t{0}; };  // OptimManager's inf/NaN skips
   std::function<void()> finish = [] {};
   // --memory-breakdown: registers the categories this framework can name (bytes on the device now).
   std::function<void(bench::MemoryBreakdown&)> memory_categories = [](bench::MemoryBreakdown&) {};
@@ -248,6 +247,7 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     r.early_started = [overlap] { return overlap->num_early_starts(); };
     r.optimizer += " (per-Block early start)";
   }
+  r.skipped_steps = [manager] { return manager->num_skipped_steps(); };
   if (a.raw_step) r.optimizer += " (raw step)";
   else r.optimizer += " + OptimManager";
 
@@ -276,41 +276,8 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     if (overlap) overlap->remove();
     bmt::finalize();
   };
-  r.memory_categories = [model, optimizer, gpu_optimizer, data_parallel = r.data_parallel](bench::MemoryBreakdown& b) {
-    std::vector<at::Tensor> outside, all;
-    for (const auto& item : model->named_parameters()) {
-      all.push_back(item.value());
-      if (!bmt::in_block(item.value())) outside.push_back(item.value());
-    }
-    auto device_bytes = [](const at::Tensor& t) { return t.defined() && t.is_cuda() ? int64_t(t.nbytes()) : int64_t{0}; };
-    b.add_category("parameter shards held by Blocks", [] { return bmt::memory_stats().shard_nbytes; });
-    b.add_category("parameters outside Blocks (embeddings, final norm)", [outside, device_bytes] {
-      int64_t n = 0;
-      for (const auto& p : outside) n += device_bytes(p);
-      return n;
-    });
-    // One data-parallel rank: a Block's "gathered" buffer is its shard (an alias), no extra bytes.
-    b.add_category("gathered parameter copies of Blocks", [] { return bmt::memory_stats().gathered_nbytes; },
-                   data_parallel > 1);
-    b.add_category("fp32 gradient buffers of Blocks (shards, deferred)", [] { return bmt::memory_stats().grad_nbytes; });
-    b.add_category("gradients outside Blocks (main_grad)", [outside, device_bytes] {
-      int64_t n = 0;
-      for (const auto& p : outside) n += device_bytes(bmt::main_grad(p));
-      return n;
-    });
-    b.add_category("optimizer states on the GPU (fp32 master, exp_avg, exp_avg_sq)",
-                   [all, device_bytes, opts = std::vector<std::shared_ptr<bmt::optim::BmtOptimizer>>{optimizer, gpu_optimizer}] {
-      int64_t n = 0;
-      for (const auto& o : opts) {
-        // Host-side (offload) states are not device bytes; find_state would also wait for running CPU updates.
-        auto* adam = dynamic_cast<bmt::optim::AdamOptimizer*>(o.get());
-        if (adam == nullptr) continue;
-        for (const auto& p : all)
-          if (const bmt::optim::AdamState* s = adam->find_state(p))
-            n += device_bytes(s->exp_avg) + device_bytes(s->exp_avg_sq) + device_bytes(s->master);
-      }
-      return n;
-    });
+  r.memory_categories = [model, optimizer, gpu_optimizer, dp = r.data_parallel](bench::MemoryBreakdown& b) {
+    bench::add_bmt_memory_categories(b, *model, {optimizer, gpu_optimizer}, dp);
   };
   return r;
 }
@@ -475,7 +442,8 @@ int run(const Args& a) {
   if (a.offload) std::printf("; %.1f Blocks per step updated during the backward", early_per_step);
   std::printf("\nlosses:");
   for (const at::Tensor& l : losses) std::printf(" %.4f", l.item<double>());
-  std::printf("\n");
+  // A skipped step (inf/NaN gradient) leaves the parameters as they were: say so next to the losses.
+  std::printf("\nskipped steps (inf/NaN gradients): %ld\n", static_cast<long>(r.skipped_steps()));
   std::printf("RESULT framework=%s config=\"%s\" tokens_per_s=%.0f step_s=%.4f (median %.4f, min %.4f, max %.4f) "
               "mfu=%s peak_gpu_gib=%s (reserved %s) host_peak_gib=%.2f\n",
               a.framework.c_str(), config.c_str(), tokens_per_s, step_s, median_s, sorted.front(), sorted.back(),

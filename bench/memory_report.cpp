@@ -5,6 +5,12 @@
 #include <fstream>
 #include <stdexcept>
 
+#include "bmt/block.h"
+#include "bmt/memory_stats.h"
+#include "bmt/optim/adam.h"
+#include "bmt/param_registry.h"
+#include "bmt/parameter.h"
+
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
@@ -107,6 +113,45 @@ std::string MemoryBreakdown::report() const {
 #else
   return "memory breakdown: not a CUDA build (CPU memory is not sampled)\n";
 #endif
+}
+
+void add_bmt_memory_categories(MemoryBreakdown& b, torch::nn::Module& model,
+                               const std::vector<std::shared_ptr<bmt::optim::BmtOptimizer>>& optimizers,
+                               int data_parallel) {
+  std::vector<at::Tensor> outside, all;
+  for (const auto& item : model.named_parameters()) {
+    all.push_back(item.value());
+    if (!bmt::in_block(item.value())) outside.push_back(item.value());
+  }
+  auto device_bytes = [](const at::Tensor& t) { return t.defined() && t.is_cuda() ? int64_t(t.nbytes()) : int64_t{0}; };
+  b.add_category("parameter shards held by Blocks", [] { return bmt::memory_stats().shard_nbytes; });
+  b.add_category("parameters outside Blocks (embeddings, final norm)", [outside, device_bytes] {
+    int64_t n = 0;
+    for (const auto& p : outside) n += device_bytes(p);
+    return n;
+  });
+  // One data-parallel rank: a Block's "gathered" buffer is its shard (an alias), no extra bytes.
+  b.add_category("gathered parameter copies of Blocks", [] { return bmt::memory_stats().gathered_nbytes; },
+                 data_parallel > 1);
+  b.add_category("fp32 gradient buffers of Blocks (shards, deferred)", [] { return bmt::memory_stats().grad_nbytes; });
+  b.add_category("gradients outside Blocks (main_grad)", [outside, device_bytes] {
+    int64_t n = 0;
+    for (const auto& p : outside) n += device_bytes(bmt::main_grad(p));
+    return n;
+  });
+  b.add_category("optimizer states on the GPU (fp32 master, exp_avg, exp_avg_sq)",
+                 [all, device_bytes, opts = optimizers] {
+    int64_t n = 0;
+    for (const auto& o : opts) {
+      // Host-side (offload) states are not device bytes; find_state would also wait for running CPU updates.
+      auto* adam = dynamic_cast<bmt::optim::AdamOptimizer*>(o.get());
+      if (adam == nullptr) continue;
+      for (const auto& p : all)
+        if (const bmt::optim::AdamState* s = adam->find_state(p))
+          n += device_bytes(s->exp_avg) + device_bytes(s->exp_avg_sq) + device_bytes(s->master);
+    }
+    return n;
+  });
 }
 
 }  // namespace bench

@@ -16,10 +16,15 @@
 // fragmentation). Without CUDA both are no-ops that say so.
 #pragma once
 
+#include <torch/nn/module.h>
+
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "bmt/optim/optimizer.h"
 
 namespace bench {
 
@@ -51,5 +56,13 @@ class MemoryBreakdown {
   std::vector<int64_t> best_values_;
   int64_t num_samples_ = 0;
 };
+
+// bmtrain's categories: parameter shards (Blocks, and the parameters outside them), gathered copies (counted only
+// with more than one data-parallel rank: at world 1 they alias the shards), fp32 gradient buffers (Blocks' and
+// main_grad outside them), and the device states of the AdamOptimizers among `optimizers` (null entries allowed;
+// offloaded states live in host memory).
+void add_bmt_memory_categories(MemoryBreakdown& b, torch::nn::Module& model,
+                               const std::vector<std::shared_ptr<bmt::optim::BmtOptimizer>>& optimizers,
+                               int data_parallel);
 
 }  // namespace bench

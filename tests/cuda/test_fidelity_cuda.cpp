@@ -93,7 +93,11 @@ TEST(FidelityCuda, Gpt124mMatchesTheSameNumericsReferenceFor50Steps) {
   bmt::InitOptions init = bmt::testing::test_init();
   init.backend = bmt::Backend::kAuto;  // NCCL on the GPU
   init.seed = 1234;
-  // In this process (world 1, no launcher environment), so that the table reaches stdout.
+  // In this process (world 1, no launcher environment), so that the table reaches stdout; the store's port is
+  // one that no other job holds.
+  const bmt::testing::PortReservation port;
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(port.port()).c_str(), 1);
   bmt::init_distributed(init);
   {
     if (deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
