@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -167,6 +168,9 @@ inline double max_abs_diff(const Trace& a, const Trace& b) {
 // Per-step table on stdout (rank 0): step, ours, reference, |diff|, skipped flags, loss scales.
 inline void print_traces(const std::string& title, const Trace& ours, const Trace& ref) {
   if (bmt::rank() != 0) return;
+  // BMT_FIDELITY_TABLE=FILE: append the table there (a rank's stdout is discarded when its test passes).
+  const char* table = std::getenv("BMT_FIDELITY_TABLE");
+  if (table && std::freopen(table, "a", stdout) == nullptr) return;
   std::printf("fidelity %s: step ours reference |diff| skipped(ours,ref) scale(ours,ref)\n", title.c_str());
   for (size_t i = 0; i < ours.loss.size(); ++i)
     std::printf("  %3zu %.5f %.5f %.2e %d,%d %g,%g\n", i, ours.loss[i], ref.loss[i], std::abs(ours.loss[i] - ref.loss[i]),
