@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 B=${1:?usage: scripts/gpu_fidelity_check.sh BUILD_DIR (a CUDA build: scripts/build.sh cuda)}
 OUT=${OUT:-/tmp/bmt-fidelity-out}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
+export NCCL_NVLS_ENABLE=0
 rc=0
 test_bin=$(find "$B" -name bmt_fidelity_cuda_tests -type f -perm -u+x | head -1)
 bench_bin=$(find "$B" -name bmt-bench-train -type f -perm -u+x | head -1)
@@ -25,7 +25,7 @@ bench_bin=$(find "$B" -name bmt-bench-train -type f -perm -u+x | head -1)
 [ -n "$bench_bin" ] || { echo "no bmt-bench-train under $B (ninja -C $B bmt-bench-train)"; exit 1; }
 
 t0=$(date +%s)
-timeout 240 "$test_bin" --gtest_brief=0 > "$OUT/fidelity.log" 2>&1 || rc=$?
+CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 240 "$test_bin" --gtest_brief=0 > "$OUT/fidelity.log" 2>&1 || rc=$?
 echo "[fidelity] exit $rc, $(( $(date +%s) - t0 )) s"
 grep -E "^step|^ *[0-9]+  [0-9]|max \|ours|FAILED|Failure" "$OUT/fidelity.log" | head -80
 
