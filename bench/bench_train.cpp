@@ -22,6 +22,8 @@
 // --offload-grad-bf16 / --offload-async: AdamOffloadOptimizer::set_grad_transfer_dtype(bf16) / set_async_step.
 // --profile: 2 more steps under the Kineto profiler after the timed ones (gpu_profile.h), printed and in the JSON.
 // The command line is parsed in bench_train_args.cpp.
+// --memory-snapshot PATH / --memory-breakdown: what holds the GPU memory peak (bench/memory_report.h): the
+// allocator's pickled history for https://pytorch.org/memory_viz, and a per-category table at the largest sample.
 // --tp N (bmt, under bmtrun): tensor parallelism over N ranks (examples' sequence-parallel layout, vocab-parallel
 // loss); the N ranks of a tp group share one batch, so tokens per step = B·T·(world / N).
 // Reported: tokens/s = N·B·T / (sum of the timed step times); step_s = mean timed step; MFU = tokens/s ·
@@ -62,6 +64,7 @@
 #include "bench_env.h"
 #include "bench_train_args.h"
 #include "gpu_profile.h"
+#include "memory_report.h"
 #include "bmt/block.h"
 #include "bmt/init.h"
 #include "bmt/optim/adam.h"
@@ -134,8 +137,18 @@ struct Runner {
   std::string precision, optimizer;
   int world = 1, rank = 0;  // bmt under a launcher: every rank runs B sequences per step
   std::function<int64_t()> early_started = [] { return int64_t{0}; };  // Blocks updated during the backward
+  std::function<int64_t()> skipped_steps = [] { return int64_t{0}; };  // OptimManager's inf/NaN skips
   std::function<void()> finish = [] {};
+  // --memory-breakdown: registers the categories this framework can name (bytes on the device now).
+  std::function<void(bench::MemoryBreakdown&)> memory_categories = [](bench::MemoryBreakdown&) {};
 };
+
+// Set while --memory-breakdown samples: the steps call it at their fixed points.
+bench::MemoryBreakdown* g_breakdown = nullptr;
+void sample_memory(const char* where) {
+  if (g_breakdown) g_breakdown->sample(where);
+}
+
 
 struct Failure : std::runtime_error {
   int code;
@@ -241,6 +254,7 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     r.early_started = [overlap] { return overlap->num_early_starts(); };
     r.optimizer += " (per-Block step in backward, gradients released)";
   }
+  r.skipped_steps = [manager] { return manager->num_skipped_steps(); };
   if (a.raw_step) r.optimizer += " (raw step)";
   else r.optimizer += " + OptimManager";
 
@@ -249,13 +263,18 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     const int64_t T = tokens.size(1) - 1;
     // model->loss: the vocab-parallel fused cross-entropy under tensor parallelism (no full logits).
     at::Tensor loss = model->loss(tokens.narrow(1, 0, T), tokens.narrow(1, 1, T));
+    sample_memory("after the forward");
     if (raw) {
       loss.backward();
+      sample_memory("after the backward");
       optimizer->step(1.0);  // BmtOptimizer::step orders itself after the gradient reduction
+      sample_memory("after the optimizer step");
       optimizer->zero_grad();
     } else {
       manager->backward(loss);
+      sample_memory("after the backward");
       manager->step();
+      sample_memory("after the optimizer step");
       manager->zero_grad();
     }
     return loss.detach();
@@ -263,6 +282,9 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   r.finish = [overlap] {
     if (overlap) overlap->remove();
     bmt::finalize();
+  };
+  r.memory_categories = [model, optimizer, gpu_optimizer, dp = r.data_parallel](bench::MemoryBreakdown& b) {
+    bench::add_bmt_memory_categories(b, *model, {optimizer, gpu_optimizer}, dp);
   };
   return r;
 }
@@ -297,14 +319,29 @@ Runner make_plain_runner(const Args& a, const Shape& shape) {
                                                        a.plain_adamw == "fused");
   r.optimizer = a.plain_adamw == "fused" ? "at::_fused_adamw_" : "torch::optim::AdamW";
   const at::DeviceType dt = r.device.type();
+  r.memory_categories = [m = model.ptr()](bench::MemoryBreakdown& b) {
+    b.add_category("parameters (fp32)", [m] {
+      int64_t n = 0;
+      for (const auto& p : m->parameters()) n += p.is_cuda() ? int64_t(p.nbytes()) : 0;
+      return n;
+    });
+    b.add_category("gradients (fp32)", [m] {
+      int64_t n = 0;
+      for (const auto& p : m->parameters()) n += p.grad().defined() && p.grad().is_cuda() ? int64_t(p.grad().nbytes()) : 0;
+      return n;
+    });
+  };
   r.step = [m = model.ptr(), optimizer, autocast, dt](const at::Tensor& tokens) {
     at::Tensor loss;
     {
       plain::AutocastScope scope(autocast, dt);
       loss = m->loss(tokens);
     }
+    sample_memory("after the forward");
     loss.backward();
+    sample_memory("after the backward");
     optimizer->step();
+    sample_memory("after the optimizer step");
     optimizer->zero_grad();
     return loss.detach();
   };
@@ -317,8 +354,19 @@ int run(const Args& a) {
   const int64_t B = a.batch > 0 ? a.batch : shape.default_batch;
   const double t_start = now_s();
 
+  // The history starts before the model exists, so the snapshot sees every allocation.
+  const bool recording = !a.memory_snapshot.empty() && bench::start_memory_history();
   Runner r = a.framework == "bmt" ? make_bmt_runner(a, shape) : make_plain_runner(a, shape);
   const bool cuda = r.device.is_cuda();
+  std::unique_ptr<bench::MemoryBreakdown> breakdown;
+  int grad_hook = -1;
+  if (a.memory_breakdown) {
+    breakdown = std::make_unique<bench::MemoryBreakdown>(cuda && r.device.index() >= 0 ? r.device.index() : 0);
+    r.memory_categories(*breakdown);
+    g_breakdown = breakdown.get();
+    if (a.framework == "bmt")
+      grad_hook = bmt::add_grad_ready_hook([](bmt::Block&) { sample_memory("after a Block's gradients were reduced"); });
+  }
   const double flops_per_token = 6.0 * static_cast<double>(r.num_matmul_params) +
                                  6.0 * static_cast<double>(shape.model.num_layers * shape.model.dim * T);
   std::string config = a.preset + " seq" + std::to_string(T) + " batch" + std::to_string(B);
@@ -365,6 +413,12 @@ int run(const Args& a) {
     times.push_back(now_s() - t0);
   }
   const int64_t early_started = r.early_started();  // before the profiled steps add theirs
+  if (breakdown) {
+    std::printf("%s", breakdown->report().c_str());
+    g_breakdown = nullptr;
+    if (grad_hook >= 0) bmt::remove_grad_ready_hook(grad_hook);
+  }
+  if (recording) bench::write_memory_snapshot(a.memory_snapshot);
   std::string profile_json = "null";
   if (a.profile) {
     // After the timed steps, so the profiler's overhead never touches the figures above.
@@ -396,7 +450,8 @@ int run(const Args& a) {
   if (a.offload) std::printf("; %.1f Blocks per step updated during the backward", early_per_step);
   std::printf("\nlosses:");
   for (const at::Tensor& l : losses) std::printf(" %.4f", l.item<double>());
-  std::printf("\n");
+  // A skipped step (inf/NaN gradient) leaves the parameters as they were: say so next to the losses.
+  std::printf("\nskipped steps (inf/NaN gradients): %ld\n", static_cast<long>(r.skipped_steps()));
   std::printf("RESULT framework=%s config=\"%s\" tokens_per_s=%.0f step_s=%.4f (median %.4f, min %.4f, max %.4f) "
               "mfu=%s peak_gpu_gib=%s (reserved %s) host_peak_gib=%.2f\n",
               a.framework.c_str(), config.c_str(), tokens_per_s, step_s, median_s, sorted.front(), sorted.back(),

@@ -24,6 +24,8 @@ const char* kUsage =
     "                       [--offload-async (offload: the next forward waits per Block for the CPU updates)]\n"
     "                       [--step-in-backward (GPU Adam per Block during the backward; fp32 gradients freed)]\n"
     "                       [--profile (2 extra steps under the profiler: GPU busy vs idle, top kernels)]\n"
+    "                       [--memory-snapshot PATH (CUDA allocator history, for pytorch.org/memory_viz)]\n"
+    "                       [--memory-breakdown (GPU bytes by category at the largest of the sampled moments)]\n"
     "                       [--force (skip the host memory check)]\n"
     "                       [--seed S] [--tp N (bmt: tensor parallelism; run under bmtrun with N | world)]\n";
 
@@ -60,6 +62,8 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--zero") a.zero = static_cast<int>(to_int(f, need(i)));
     else if (f == "--tp") a.tp = static_cast<int>(to_int(f, need(i)));
     else if (f == "--json") a.json_path = need(i);
+    else if (f == "--memory-snapshot") a.memory_snapshot = need(i);
+    else if (f == "--memory-breakdown") a.memory_breakdown = true;
     else if (f == "--device") a.device = need(i);
     else if (f == "--plain-adamw") a.plain_adamw = need(i);
     else if (f == "--autocast") a.autocast = need(i);

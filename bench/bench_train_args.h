@@ -24,6 +24,8 @@ struct Args {
   bool offload_async = false;        // --offload-async: step() returns before the Blocks' CPU updates finish
   bool profile = false;              // --profile: 2 more steps under the Kineto profiler (GPU busy/idle, kernels)
   std::string json_path;
+  std::string memory_snapshot;   // --memory-snapshot PATH: the CUDA allocator history, pickled (memory_report.h)
+  bool memory_breakdown = false;  // --memory-breakdown: bytes by category at the largest sample
   std::string device = "auto";  // plain only
   std::string plain_adamw = "fused";
   std::string autocast = "auto";  // plain only: bf16 autocast on (auto: on CUDA)
