@@ -100,8 +100,8 @@ def tensor_nbytes(hf_dir):
 def tp_split(arch, name):
     """Whether our tp plan splits the parameter this HF tensor feeds (models/gpt.h, models/llama.h)."""
     if arch == "gpt2":
-        return bool(re.search(r"(wte|c_attn\.(weight|bias)|c_fc\.(weight|bias)|c_proj\.weight)$", name))
-    return bool(re.search(r"(embed_tokens|_proj\.weight|lm_head\.weight)$", name))
+        return bool(re.search(r"(wte\.weight|c_attn\.(weight|bias)|c_fc\.(weight|bias)|c_proj\.weight)$", name))
+    return bool(re.search(r"(embed_tokens\.weight|_proj\.weight|lm_head\.weight)$", name))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
