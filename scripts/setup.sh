@@ -6,7 +6,8 @@
 set -euo pipefail
 
 APT_PACKAGES=(cmake ninja-build g++ make git libgtest-dev libgloo-dev clang ccache python3 python3-dev python3-pip python3-venv ca-certificates)
-PIP_PACKAGES=("torch==2.11.0" numpy pytest safetensors transformers scikit-build-core)
+# transformers: pinned to the version tests/examples/test_hf_import.py was checked with (torch 2.11, CPU).
+PIP_PACKAGES=("torch==2.11.0" numpy pytest safetensors "transformers==5.24.0" scikit-build-core)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

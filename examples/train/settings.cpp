@@ -11,6 +11,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/distributed.h"
+#include "export/hf_import.h"
 #include "models/presets.h"
 #include "train/progress.h"
 
@@ -59,15 +60,33 @@ TrainSettings resolve_settings(const TrainArgs& args, const Dataset& data) {
   mc = preset.model;
   mc.arch = args.model;
   mc.vocab_size = data.vocab_size();
-  if (mc.vocab_size % cfg.tp_size != 0) {  // vocabulary-parallel layers need a multiple of tp (never sampled)
+  if (!args.init_from.empty()) {
+    // The architecture and sizes of the Hugging Face model; its vocabulary cannot be padded (loaded rows).
+    mc = hf_model_config(args.init_from);
+    BMT_CHECK(data.vocab_size() <= mc.vocab_size, "--init-from ", args.init_from, ": the data has ",
+              data.vocab_size(), " token ids but the model's vocabulary is ", mc.vocab_size,
+              "; use data tokenised for that model");
+    if (mc.vocab_size % cfg.tp_size != 0) {  // zero rows past the loaded ones (export/hf_import.h)
+      const int64_t padded = (mc.vocab_size + cfg.tp_size - 1) / cfg.tp_size * cfg.tp_size;
+      if (cfg.rank == 0)
+        std::printf("vocabulary of %s padded from %ld to %ld ids for --tp %d (zero rows)\n", args.init_from.c_str(),
+                    static_cast<long>(mc.vocab_size), static_cast<long>(padded), cfg.tp_size);
+      mc.vocab_size = padded;
+    }
+    BMT_CHECK(args.seq <= mc.max_seq_len, "--seq ", args.seq, " exceeds the ", mc.max_seq_len,
+              " positions of ", args.init_from);
+    s.seq = args.seq > 0 ? args.seq : std::min(preset.model.max_seq_len, mc.max_seq_len);
+  } else if (mc.vocab_size % cfg.tp_size != 0) {  // vocabulary-parallel layers need a multiple of tp (never sampled)
     mc.vocab_size = (mc.vocab_size + cfg.tp_size - 1) / cfg.tp_size * cfg.tp_size;
     if (cfg.rank == 0)
       std::printf("vocabulary padded from %ld to %ld ids for --tp %d\n", static_cast<long>(data.vocab_size()),
                   static_cast<long>(mc.vocab_size), cfg.tp_size);
   }
-  mc.num_kv_heads = args.kv_heads;
-  if (args.seq > 0) mc.max_seq_len = args.seq;
-  s.seq = mc.max_seq_len;
+  if (args.init_from.empty()) {
+    mc.num_kv_heads = args.kv_heads;
+    if (args.seq > 0) mc.max_seq_len = args.seq;
+    s.seq = mc.max_seq_len;
+  }
   s.steps = args.steps > 0 ? args.steps : preset.train.steps;
   s.stop = args.stop_at >= 0 ? std::min(args.stop_at, s.steps) : s.steps;
   s.batch = args.batch > 0                  ? args.batch

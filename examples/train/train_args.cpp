@@ -37,7 +37,12 @@ std::string train_usage() {
   --metrics PATH.jsonl           one JSON object per step (rank 0)
   --progress auto|bar|lines|off  --log-every N
   --samples N --sample-tokens N --top-k K   generated samples at the end (top-k 0: greedy)
-  --export-hf DIR     write model.safetensors + config.json (Hugging Face GPT-2 layout) at the end
+  --init-from DIR     fine-tune a Hugging Face GPT-2 or Llama directory (save_pretrained: config.json +
+                      *.safetensors, sharded or not): the architecture and sizes come from its config.json
+                      (--model, --kv-heads not allowed; the preset gives only training defaults, --seq
+                      at most its positions), each rank reads only its shards; the data's ids must fit its
+                      vocabulary
+  --export-hf DIR     write model.safetensors + config.json (Hugging Face GPT-2 or Llama layout) at the end
   --seed S
 )";
 }
@@ -78,7 +83,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       {"--keep-last", i64(a.keep_last)}, {"--max-skipped-steps", i64(a.max_skipped_steps)},
       {"--metrics", str(a.metrics_path)}, {"--progress", str(a.progress)}, {"--log-every", i64(a.log_every)},
       {"--samples", i64(a.samples)}, {"--sample-tokens", i64(a.sample_tokens)}, {"--top-k", i64(a.top_k)},
-      {"--export-hf", str(a.export_hf)}, {"--dtype", str(a.dtype)},
+      {"--export-hf", str(a.export_hf)}, {"--init-from", str(a.init_from)}, {"--dtype", str(a.dtype)},
       {"--seed", [&](const std::string& n, const std::string& v) { a.seed = static_cast<uint64_t>(to_i64(n, v)); }},
   };
   std::map<std::string, std::string> given;  // option -> value as typed, for the range checks below
@@ -137,6 +142,9 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
   BMT_CHECK(a.model == "gpt" || a.model == "llama", "--model must be gpt or llama, got '", a.model, "'");
   BMT_CHECK(a.progress == "auto" || a.progress == "bar" || a.progress == "lines" || a.progress == "off",
             "--progress must be auto, bar, lines or off, got '", a.progress, "'");
+  for (const char* opt : {"--model", "--kv-heads"})
+    BMT_CHECK(a.init_from.empty() || !given.count(opt), "option ", opt, " cannot be combined with --init-from: the "
+              "architecture comes from ", a.init_from, "/config.json");
   BMT_CHECK(a.top_k >= 0, "--top-k must be >= 0, got ", a.top_k);
   return a;
 }

@@ -32,7 +32,8 @@ struct TrainArgs {
   std::string progress = "auto";    // auto (bar on a TTY, else lines) | bar | lines | off
   int64_t log_every = -1;           // lines mode: print every N steps (-1: ~30 lines per run)
   int64_t samples = 3, sample_tokens = 64, top_k = 0;  // top_k 0: greedy
-  std::string export_hf;            // directory for a Hugging Face GPT-2 export at the end
+  std::string export_hf;            // directory for a Hugging Face GPT-2 / Llama export at the end
+  std::string init_from;            // Hugging Face directory to fine-tune (export/hf_import.h)
   uint64_t seed = 1234;
   bool help = false;
 };

@@ -14,7 +14,8 @@
 #include "bmt/optim/optim_manager.h"
 #include "bmt/parameter.h"
 #include "data/dataset.h"
-#include "export/hf_gpt2.h"
+#include "export/hf_import.h"
+#include "export/hf_llama.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
 #include "train/generate.h"
@@ -77,7 +78,13 @@ void build(Run& run) {
   const TrainSettings& s = run.s;
   run.model = make_model(s.model, {args.zero, args.checkpointing}, s.dtype);
   at::manual_seed(args.seed);
-  bmt::init_parameters(*run.model);
+  bmt::init_parameters(*run.model);  // also seeds the per-rank generators (dropout-free models: only that matters)
+  if (!args.init_from.empty()) {
+    const auto stats = load_hf(*run.model, args.init_from);
+    if (run.rank0)
+      std::printf("initialised from %s (rank 0 read %.2f MB of tensor data from %ld file(s))\n", args.init_from.c_str(),
+                  static_cast<double>(stats.bytes_copied) / 1e6, static_cast<long>(stats.files_mapped));
+  }
   auto optimizer = make_optimizer(*run.model, s.lr, args.weight_decay);
   run.scheduler = std::make_shared<bmt::optim::lr_scheduler::Cosine>(optimizer, s.lr, s.warmup,
                                                                       std::max<int64_t>(s.steps, 1));
@@ -240,8 +247,10 @@ void write_samples(Run& run) {
 
 void export_model(Run& run) {
   if (run.args.export_hf.empty()) return;
-  export_hf_gpt2(*run.model, run.args.export_hf);
-  if (run.rank0) std::printf("exported Hugging Face GPT-2 model to %s\n", run.args.export_hf.c_str());
+  export_hf(*run.model, run.args.export_hf);
+  if (run.rank0)
+    std::printf("exported Hugging Face %s model to %s\n", run.s.model.arch == "llama" ? "Llama" : "GPT-2",
+                run.args.export_hf.c_str());
 }
 
 void print_summary(const Run& run) {

@@ -36,6 +36,15 @@ def _components(optim_manager, optimizers, lr_schedulers):
     return comps
 
 
+def load_hf_safetensors(model, directory, name_map, strict=True, ignore=()):
+    """Loads a Hugging Face directory (config.json + model.safetensors, or shards named by
+    model.safetensors.index.json) into `model` without a full copy per rank: the files are memory-mapped and every
+    rank copies only the elements of its own shards (src/bmt/checkpoint/hf_dir.h). name_map: {our state_dict key:
+    HF tensor name, or (HF tensor name, transpose)}. Returns (missing_keys, unexpected_keys, bytes_copied)."""
+    pairs = {k: (v, False) if isinstance(v, str) else (str(v[0]), bool(v[1])) for k, v in name_map.items()}
+    return _C.load_hf_safetensors(holder_of(model), str(directory), pairs, strict, list(ignore))
+
+
 def save_checkpoint(directory, model, optim_manager=None, step=0, *, optimizers=None, lr_schedulers=None,
                     async_save=False, metadata=None):
     """Sharded checkpoint (one file per rank, checksummed, committed atomically) of the model and the optimizer

@@ -1,6 +1,7 @@
 // bmtrain._C: DistributedParameter records, gathering and scattering, and the module-level functions
 // (init_parameters, state_dict, load_state_dict, consolidated save/load) over a holder of a Python model's tensors.
 #include "bmt/checkpoint/consolidated.h"
+#include "bmt/checkpoint/hf_dir.h"
 #include "bmt/init.h"
 #include "bmt/param_registry.h"
 #include "bmt/parameter.h"
@@ -109,6 +110,22 @@ void bind_params(py::module_& m) {
         return std::make_pair(r.missing_keys, r.unexpected_keys);
       },
       py::arg("holder"), py::arg("path"), py::arg("strict") = true, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "load_hf_safetensors",
+      [](torch::nn::Module& holder, const std::string& dir,
+         const std::map<std::string, std::pair<std::string, bool>>& name_map, bool strict,
+         const std::vector<std::string>& ignore) {
+        checkpoint::HfNameMap map;
+        for (const auto& [ours, src] : name_map) map[ours] = checkpoint::HfSource{src.first, src.second, false};
+        checkpoint::HfLoadOptions options;
+        options.strict = strict;
+        options.ignore.insert(ignore.begin(), ignore.end());
+        checkpoint::HfLoadStats stats;
+        LoadResult r = checkpoint::load_hf_safetensors(holder, dir, map, options, &stats);
+        return std::make_tuple(r.missing_keys, r.unexpected_keys, stats.bytes_copied);
+      },
+      py::arg("holder"), py::arg("dir"), py::arg("name_map"), py::arg("strict") = true,
+      py::arg("ignore") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace bmt::python
