@@ -87,13 +87,12 @@ endif()
 set(BMT_EXTRA_INCLUDE_DIR "" CACHE PATH "Extra directory searched for header-only dependencies (nlohmann/json.hpp)")
 find_package(nlohmann_json 3.9 QUIET)
 if(nlohmann_json_FOUND)
-  get_target_property(BMT_JSON_INCLUDE_DIR nlohmann_json::nlohmann_json INTERFACE_INCLUDE_DIRECTORIES)
-else()
-  find_path(BMT_JSON_INCLUDE_DIR nlohmann/json.hpp HINTS ${BMT_EXTRA_INCLUDE_DIR} ${BMT_GLOO_INCLUDE_DIR})
-  if(NOT BMT_JSON_INCLUDE_DIR)
-    message(FATAL_ERROR "bmtrain: nlohmann-json not found (nlohmann/json.hpp). Run scripts/setup.sh (apt-get install "
+  get_target_property(_bmt_json_dirs nlohmann_json::nlohmann_json INTERFACE_INCLUDE_DIRECTORIES)
+endif()
+find_path(BMT_JSON_INCLUDE_DIR nlohmann/json.hpp HINTS ${BMT_EXTRA_INCLUDE_DIR} ${_bmt_json_dirs} ${BMT_GLOO_INCLUDE_DIR})
+if(NOT BMT_JSON_INCLUDE_DIR)
+  message(FATAL_ERROR "bmtrain: nlohmann-json not found (nlohmann/json.hpp). Run scripts/setup.sh (apt-get install "
                         "nlohmann-json3-dev), or pass -DBMT_EXTRA_INCLUDE_DIR=<dir holding nlohmann/> (see scripts/prepare_device_deps.sh).")
-  endif()
 endif()
 
 if(BUILD_TESTING)

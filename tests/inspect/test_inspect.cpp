@@ -153,7 +153,7 @@ void run_record(bool checkpoint) {
   const int64_t per_rank = kBatch / cfg.world_size;
   // Reference: the same layers on the whole batch in plain LibTorch, the hidden states' gradients kept.
   std::vector<at::Tensor> ref_h;
-  at::Tensor h = x_all.clone();
+  at::Tensor h = x_all.clone().requires_grad_(true);
   for (int64_t i = 0; i < layers; ++i) {
     const std::string L = std::to_string(i) + ".";
     h = h + at::linear(at::tanh(at::linear(h, sd[L + "fc1.weight"], sd[L + "fc1.bias"])), sd[L + "fc2.weight"],
