@@ -165,7 +165,7 @@ void run_record(bool checkpoint) {
 
   bmt::inspect::InspectTensor scope;
   at::Tensor y = x_all.narrow(0, cfg.rank * per_rank, per_rank).clone().requires_grad_(true);
-  for (auto& b : blocks) y = b->forward({y})[0];
+  for (auto& b : blocks) y = b->forward(y);
   (y * y).sum().backward();
   EXPECT_EQ(scope.size(), static_cast<size_t>(layers)) << "recorded once per forward (checkpoint " << checkpoint << ")";
   auto summary = scope.summary();
