@@ -2,6 +2,9 @@
 // reading and writing. The value tree stays ours because callers read it through accessors that say which file
 // field is wrong; nlohmann's SAX parser builds it directly (no intermediate DOM), and we add what the readers of
 // untrusted files need on top of it: a nesting limit, duplicate-key rejection and int64-exact integers.
+// Kept ours for speed: only that value type (converting a whole nlohmann DOM into it would copy every header twice,
+// and a safetensors header of a large model holds tens of thousands of entries). The text format is unchanged:
+// compact, insertion-ordered objects, so files written before load as they did.
 #include "bmt/checkpoint/json_internal.h"
 
 #include <cmath>
