@@ -82,6 +82,19 @@ if(NOT BMT_GLOO_INCLUDE_DIR)
   message(FATAL_ERROR "bmtrain: gloo headers not found (gloo/context.h). Run scripts/setup.sh (apt-get install libgloo-dev).")
 endif()
 
+# nlohmann-json (header-only; Debian's nlohmann-json3-dev). Machines without it (the GPU machine has no network)
+# get its headers copied next to gloo's by scripts/prepare_device_deps.sh: look there, or in BMT_EXTRA_INCLUDE_DIR.
+set(BMT_EXTRA_INCLUDE_DIR "" CACHE PATH "Extra directory searched for header-only dependencies (nlohmann/json.hpp)")
+find_package(nlohmann_json 3.9 QUIET)
+if(nlohmann_json_FOUND)
+  get_target_property(_bmt_json_dirs nlohmann_json::nlohmann_json INTERFACE_INCLUDE_DIRECTORIES)
+endif()
+find_path(BMT_JSON_INCLUDE_DIR nlohmann/json.hpp HINTS ${BMT_EXTRA_INCLUDE_DIR} ${_bmt_json_dirs} ${BMT_GLOO_INCLUDE_DIR})
+if(NOT BMT_JSON_INCLUDE_DIR)
+  message(FATAL_ERROR "bmtrain: nlohmann-json not found (nlohmann/json.hpp). Run scripts/setup.sh (apt-get install "
+                        "nlohmann-json3-dev), or pass -DBMT_EXTRA_INCLUDE_DIR=<dir holding nlohmann/> (see scripts/prepare_device_deps.sh).")
+endif()
+
 if(BUILD_TESTING)
   find_package(GTest QUIET)
   if(NOT GTest_FOUND)

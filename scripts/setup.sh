@@ -5,7 +5,7 @@
 # is found (the CUDA 13 toolkit is not a Debian package; it is preinstalled on our machines).
 set -euo pipefail
 
-APT_PACKAGES=(cmake ninja-build g++ make git libgtest-dev libgloo-dev clang ccache python3 python3-dev python3-pip python3-venv ca-certificates)
+APT_PACKAGES=(cmake ninja-build g++ make git libgtest-dev libgloo-dev nlohmann-json3-dev clang ccache python3 python3-dev python3-pip python3-venv ca-certificates)
 # transformers: pinned to the version tests/examples/test_hf_import.py was checked with (torch 2.11, CPU).
 PIP_PACKAGES=("torch==2.11.0" numpy pytest safetensors "transformers==5.24.0" scikit-build-core)
 

@@ -43,4 +43,15 @@ void MetricsLog::write(const MetricFields& fields) {
   std::fflush(file_);
 }
 
+MetricFields inspect_fields(const std::vector<bmt::inspect::TensorStats>& rows) {
+  MetricFields out;
+  for (const auto& r : rows) {
+    const std::string k = "inspect." + r.name + ".";
+    out.insert(out.end(), {{k + "mean", r.mean}, {k + "std", r.std}, {k + "min", r.min}, {k + "max", r.max},
+                           {k + "grad_mean", r.grad_mean}, {k + "grad_std", r.grad_std},
+                           {k + "grad_min", r.grad_min}, {k + "grad_max", r.grad_max}});
+  }
+  return out;
+}
+
 }  // namespace examples

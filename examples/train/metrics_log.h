@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "bmt/inspect.h"
+
 namespace examples {
 
 using MetricFields = std::vector<std::pair<std::string, std::optional<double>>>;
@@ -33,6 +35,10 @@ class MetricsLog {
  private:
   std::FILE* file_ = nullptr;
 };
+
+// inspect_model rows as fields "inspect.<name>.<stat>" (mean, std, min, max, grad_mean, grad_std, grad_min,
+// grad_max; grad_* null without a gradient), for one step's line.
+MetricFields inspect_fields(const std::vector<bmt::inspect::TensorStats>& rows);
 
 // One JSON object (no trailing newline); integral values are printed without a fraction, NaN/inf as null.
 std::string to_json_line(const MetricFields& fields);

@@ -35,6 +35,9 @@ std::string train_usage() {
   --max-skipped-steps N  stop with an error after N steps in a row skipped for inf/NaN (default 20); a
                       checkpoint due on a skipped step waits for the next good one
   --metrics PATH.jsonl           one JSON object per step (rank 0)
+  --inspect-every N   every N steps, after the backward: mean/std/min/max of every parameter and of its
+                      gradient (bmt::inspect::inspect_model, over all shards) in that step's metrics line,
+                      as "inspect.<param>.<stat>" (default 0: off)
   --progress auto|bar|lines|off  --log-every N
   --samples N --sample-tokens N --top-k K   generated samples at the end (top-k 0: greedy)
   --init-from DIR     fine-tune a Hugging Face GPT-2 or Llama directory (save_pretrained: config.json +
@@ -82,6 +85,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       {"--task-rows", i64(a.task_rows)}, {"--save-every", i64(a.save_every)}, {"--save-dir", str(a.save_dir)},
       {"--keep-last", i64(a.keep_last)}, {"--max-skipped-steps", i64(a.max_skipped_steps)},
       {"--metrics", str(a.metrics_path)}, {"--progress", str(a.progress)}, {"--log-every", i64(a.log_every)},
+      {"--inspect-every", i64(a.inspect_every)},
       {"--samples", i64(a.samples)}, {"--sample-tokens", i64(a.sample_tokens)}, {"--top-k", i64(a.top_k)},
       {"--export-hf", str(a.export_hf)}, {"--init-from", str(a.init_from)}, {"--dtype", str(a.dtype)},
       {"--seed", [&](const std::string& n, const std::string& v) { a.seed = static_cast<uint64_t>(to_i64(n, v)); }},
@@ -131,6 +135,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
   non_negative("--stop-at", a.stop_at);
   non_negative("--keep-last", a.keep_last);
   non_negative("--save-every", a.save_every);
+  non_negative("--inspect-every", a.inspect_every);
   non_negative("--task-rows", a.task_rows);
   non_negative("--samples", a.samples);
   non_negative("--sample-tokens", a.sample_tokens);

@@ -29,6 +29,7 @@ struct TrainArgs {
   bool resume = false;
   int64_t max_skipped_steps = 20;   // stop with an error after this many inf/NaN steps in a row
   std::string metrics_path;
+  int64_t inspect_every = 0;        // > 0: inspect_model statistics into the metrics file every N steps
   std::string progress = "auto";    // auto (bar on a TTY, else lines) | bar | lines | off
   int64_t log_every = -1;           // lines mode: print every N steps (-1: ~30 lines per run)
   int64_t samples = 3, sample_tokens = 64, top_k = 0;  // top_k 0: greedy

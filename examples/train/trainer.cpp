@@ -173,6 +173,9 @@ void train_loop(Run& run) {
     at::Tensor tokens = run.data->train_batch(step, s.dp_rank, s.batch, s.seq).to(cfg.device);
     at::Tensor loss = run.model->loss(tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq));
     run.optim->backward(loss);
+    MetricFields inspected;  // before clipping and the update: this step's parameters and raw gradients
+    if (args.inspect_every > 0 && (step + 1) % args.inspect_every == 0)
+      inspected = inspect_fields(bmt::inspect::inspect_model(*run.model));
     const double grad_norm = args.grad_clip > 0 ? run.optim->clip_grad_norm(args.grad_clip) : 0.0;
     const double step_lr = run.scheduler->current_lr();
     const bool applied = run.optim->step();
@@ -208,6 +211,7 @@ void train_loop(Run& run) {
                            {"mem_mib", static_cast<double>(st.mem_nbytes >> 20)}, {"elapsed_s", now_s() - run.t_begin}};
     if ((step + 1) % s.eval_every == 0 || step + 1 == s.stop) evaluate(run, step + 1, fields);
     else fields.insert(fields.end(), {{"eval_loss", std::nullopt}, {"task_acc", std::nullopt}});
+    fields.insert(fields.end(), inspected.begin(), inspected.end());
     run.metrics.write(fields);
     if (args.save_every > 0 && ((step + 1) % args.save_every == 0 || step + 1 == s.stop)) save_due = true;
     if (save_due && good) {

@@ -1,56 +1,70 @@
-"""bmtrain.inspect: statistics of parameters and gradients, gathered over shards (BMTrain's inspect_model)."""
-import fnmatch
+"""bmtrain.inspect: statistics of parameters, gradients and recorded activations (BMTrain's bmtrain.inspect).
 
+The work is libbmtrain's (bmt::inspect, src/bmt/inspect.h): statistics are combined from every rank's shard
+(count, sum, sum of squares, min, max) over the parameter's communicators, nothing is gathered. Rows are dicts with
+the keys name, shape, mean, std, min, max, grad_mean, grad_std, grad_min, grad_max (grad_* are None without a
+gradient); std is the population std.
+"""
 import torch
 
 from . import _C
-from .parameter import DistributedParameter
 
 
-def _stats(t):
-    t = t.float()
-    if t.numel() == 0:
-        return {"mean": float("nan"), "std": float("nan"), "min": float("nan"), "max": float("nan")}
-    return {"mean": t.mean().item(), "std": t.std(unbiased=False).item() if t.numel() > 1 else 0.0,
-            "min": t.min().item(), "max": t.max().item()}
+def inspect_model(model, param_name="*", prefix=""):
+    """One row per parameter of `model` whose name (with `prefix`) matches the shell pattern `param_name`.
+    Collective: every rank must call it."""
+    named = [(prefix + name, p) for name, p in model.named_parameters()]
+    return _C.inspect_parameters(named, param_name)
 
 
-def inspect_model(model, param_name="*"):
-    """One dict per parameter whose name matches the shell pattern: name, shape, mean, std, min, max of the whole
-    (gathered) parameter and, when it has a gradient, grad_mean, grad_std, grad_min, grad_max of the whole
-    gradient. Collective: every rank must call it."""
-    out = []
-    for name, p in model.named_parameters():
-        if not fnmatch.fnmatch(name, param_name):
-            continue
-        full = _C.gather_logical(p) if isinstance(p, DistributedParameter) else p.detach()
-        row = {"name": name, "shape": tuple(full.shape)}
-        row.update(_stats(full))
-        g = _C.main_grad(p) if isinstance(p, DistributedParameter) else p.grad
-        if g is not None and isinstance(p, DistributedParameter):
-            gfull = _gather_grad(p, g)
-            row.update({"grad_" + k: v for k, v in _stats(gfull).items()})
-        elif g is not None:
-            row.update({"grad_" + k: v for k, v in _stats(g).items()})
-        out.append(row)
-    return out
+def record_tensor(x, name, group=None):
+    """Records `x` (an activation) into the innermost inspect_tensor() scope; a no-op outside one. Inside Blocks
+    with activation checkpointing the recompute does not record again: it adds the gradient to the first record."""
+    if isinstance(x, torch.nn.Parameter):
+        raise RuntimeError("bmt.inspect.record_tensor: cannot record a Parameter (record activations; inspect "
+                           "parameters with bmt.inspect.inspect_model)")
+    _C.record_tensor(x, name, "" if group is None else group)
 
 
-def _gather_grad(p, g):
-    comm = _C.param_comm(p)
-    n = torch.tensor([g.numel()], dtype=torch.int64, device=g.device)
-    longest = int(_C.raw_all_reduce(n, "max", comm).item())
-    padded = torch.zeros(longest, dtype=torch.float32, device=g.device)
-    padded[: g.numel()] = g.float().reshape(-1)
-    sizes = _C.raw_all_gather(n, comm).reshape(-1).tolist()
-    parts = _C.raw_all_gather(padded, comm)
-    return torch.cat([parts[i, : sizes[i]] for i in range(len(sizes))])
+class InspectTensor:
+    """What `with bmt.inspect.inspect_tensor() as inspector:` yields."""
+
+    def __init__(self):
+        self._scope = _C.InspectTensor()
+        self.summary = None
+
+    def get_summary(self):
+        """Rows for every record (names "{group.}{index}.{name}"), combined over the world: collective. Includes
+        the gradients of records whose backward has run since."""
+        self.summary = self._scope.summary()
+        return self.summary
+
+    def get_tensor(self, name, group=None, index=None):
+        return self._scope.get_tensor(name, "" if group is None else group, -1 if index is None else index)
+
+    def get_grad(self, name, group=None, index=None):
+        return self._scope.get_grad(name, "" if group is None else group, -1 if index is None else index)
+
+    def __len__(self):
+        return len(self._scope)
+
+
+class InspectTensorManager:
+    def __enter__(self):
+        self._inspector = InspectTensor()
+        return self._inspector
+
+    def __exit__(self, exc_type, exc, tb):
+        self._inspector._scope.close()
+        if exc_type is None:
+            self._inspector.get_summary()  # frozen at exit, as BMTrain's; get_summary() refreshes it
+        return False
+
+
+def inspect_tensor():
+    return InspectTensorManager()
 
 
 def format_summary(summary):
-    """The table BMTrain prints for inspect_model's result."""
-    lines = [f"{'name':<40} {'shape':<16} {'mean':>10} {'std':>10} {'min':>10} {'max':>10}"]
-    for r in summary:
-        lines.append(f"{r['name']:<40} {str(r['shape']):<16} {r['mean']:>10.4g} {r['std']:>10.4g} "
-                     f"{r['min']:>10.4g} {r['max']:>10.4g}")
-    return "\n".join(lines)
+    """BMTrain's table: name, shape, max, min, std, mean, grad_std, grad_mean."""
+    return _C.format_summary(list(summary))

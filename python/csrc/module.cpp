@@ -7,4 +7,6 @@ PYBIND11_MODULE(_C, m) {
   bmt::python::bind_params(m);
   bmt::python::bind_block(m);
   bmt::python::bind_optim(m);
+  bmt::python::bind_inspect(m);
+  bmt::python::bind_estimate(m);
 }

@@ -52,5 +52,7 @@ void bind_init(py::module_& m);
 void bind_params(py::module_& m);
 void bind_block(py::module_& m);
 void bind_optim(py::module_& m);
+void bind_inspect(py::module_& m);
+void bind_estimate(py::module_& m);
 
 }  // namespace bmt::python

@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "bmt/core/error.h"
+#include "bmt/inspect.h"
 #include "bmt/init.h"
 #include "bmt/memory_stats.h"
 #include "bmt/param_registry.h"
@@ -71,6 +72,7 @@ struct Block::CallState : torch::CustomClassHolder {
   std::vector<at::Tensor> graph_outputs;  // no-checkpoint: outputs with their graph
   RngState rng;
   CallContext context;
+  inspect::detail::RecordSpan inspect_span;  // checkpointing: what the first run recorded (the recompute replays it)
 };
 
 namespace {
@@ -377,7 +379,9 @@ std::vector<at::Tensor> Block::run_forward(CallState& state, const std::vector<a
   std::vector<at::Tensor> out;
   try {
     if (options_.use_checkpoint) {
+      const auto mark = inspect::detail::mark();
       out = call_forward_fn(inputs, state.context);  // grad mode is off inside an autograd Function's forward
+      state.inspect_span = inspect::detail::span_since(mark);
     } else {
       at::AutoGradMode enable(true);
       for (size_t i = 0; i < inputs.size(); ++i) {
@@ -410,7 +414,10 @@ std::vector<at::Tensor> Block::run_backward(CallState& state, const std::vector<
       if (state.input_requires_grad[i]) t.requires_grad_(true);
       graph_inputs.push_back(t);
     }
-    outputs = call_forward_fn(graph_inputs, state.context);
+    {
+      inspect::detail::ReplayScope replay(state.inspect_span);  // record_tensor: hooks only, no second record
+      outputs = call_forward_fn(graph_inputs, state.context);
+    }
     restore_rng(now);
   } else {
     graph_inputs = state.graph_inputs;

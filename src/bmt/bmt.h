@@ -5,6 +5,7 @@
 #include "bmt/block_list.h"
 #include "bmt/distributed.h"
 #include "bmt/init.h"
+#include "bmt/inspect.h"
 #include "bmt/memory_stats.h"
 #include "bmt/loss/fused_cross_entropy.h"
 #include "bmt/nn/layers.h"

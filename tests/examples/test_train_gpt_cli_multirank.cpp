@@ -345,3 +345,25 @@ TEST(TrainGptCli, LoneRankWithoutRankZeroGivesOneMessage) {
   EXPECT_LT(r.seconds, 4 + 6) << "waits one timeout, not two\n" << r.output;
   expect_no_backtrace(r.output);
 }
+
+// --inspect-every N: every N-th step's metrics line carries inspect_model's statistics of every parameter (gathered
+// over the two ranks' shards), the other lines none; a gradient exists after the backward.
+TEST(TrainGptCli, InspectEveryWritesParameterStatisticsToTheMetrics) {
+  const std::string root = temp_root("inspect");
+  const std::string metrics = root + "/m.jsonl";
+  Result r = train(2, "--steps 4 --inspect-every 2 --metrics " + metrics);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(metrics);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);)
+    if (contains(line, "\"step\": ") && !contains(line, "\"step\": 0,")) lines.push_back(line);  // not the step-0 eval
+  ASSERT_EQ(lines.size(), 4u) << r.output;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const bool due = (i + 1) % 2 == 0;
+    EXPECT_EQ(contains(lines[i], "\"inspect.wte.weight.std\": "), due) << "step " << i + 1 << ": " << lines[i];
+    if (!due) continue;
+    EXPECT_TRUE(contains(lines[i], "\"inspect.layers.0.")) << lines[i];
+    EXPECT_FALSE(contains(lines[i], "\"inspect.wte.weight.grad_std\": null")) << lines[i];
+  }
+  remove_root(root);
+}

@@ -1,227 +1,111 @@
+// Our JSON value type (typed accessors whose errors name the field) over nlohmann-json, which does the
+// reading and writing. The value tree stays ours because callers read it through accessors that say which file
+// field is wrong; nlohmann's SAX parser builds it directly (no intermediate DOM), and we add what the readers of
+// untrusted files need on top of it: a nesting limit, duplicate-key rejection and int64-exact integers.
+// Kept ours for speed: only that value type (converting a whole nlohmann DOM into it would copy every header twice,
+// and a safetensors header of a large model holds tens of thousands of entries). The text format is unchanged:
+// compact, insertion-ordered objects, so files written before load as they did.
 #include "bmt/checkpoint/json_internal.h"
 
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <set>
+#include <unordered_set>
+
+#include <nlohmann/json.hpp>
 
 #include "bmt/core/error.h"
 
 namespace bmt::checkpoint {
 
+namespace {
+// nlohmann's parse error text → the phrase our readers' messages (and tests) use, nlohmann's detail kept after it.
+std::string describe_parse_error(const std::string& what_text) {
+  std::string detail = what_text;
+  if (auto p = detail.find("] "); p != std::string::npos && detail.rfind("[json.exception", 0) == 0)
+    detail = detail.substr(p + 2);
+  if (auto p = detail.find(": "); p != std::string::npos && detail.rfind("parse error", 0) == 0)
+    detail = detail.substr(p + 2);
+  auto has = [&](const char* s) { return detail.find(s) != std::string::npos; };
+  const char* phrase = nullptr;
+  if (has("; expected end of input")) phrase = "unexpected trailing characters";
+  else if (has("unexpected end of input")) phrase = "unexpected end of input";
+  else if (has("missing closing quote")) phrase = "unterminated string";
+  else if (has("surrogate")) phrase = "unpaired UTF-16 surrogate";
+  else if (has("after backslash") || has("'\\u' must be followed")) phrase = "invalid escape";
+  else if (has("control character")) phrase = "control character in string";
+  else if (has("invalid number") || has("expected digit")) phrase = "number without digits";
+  else if (has("syntax error")) phrase = "unexpected character";
+  return phrase ? std::string(phrase) + " (" + detail + ")" : detail;
+}
+}  // namespace
+
+// SAX consumer for nlohmann::json::sax_parse that builds our tree (friend of Json).
 class JsonParser {
  public:
-  JsonParser(std::string_view text, const std::string& what) : s_(text), what_(what) {}
+  using NJ = nlohmann::json;
+  explicit JsonParser(const std::string& what) : what_(what) {}
+  Json take() { return std::move(root_); }
 
-  Json parse_document() {
-    skip_ws();
-    Json v = parse_value(0);
-    skip_ws();
-    if (pos_ != s_.size()) fail("unexpected trailing characters");
-    return v;
+  bool null() { return put(Json()); }
+  bool boolean(bool v) { return put(Json(v)); }
+  bool number_integer(NJ::number_integer_t v) { return put(Json(static_cast<int64_t>(v))); }
+  bool number_unsigned(NJ::number_unsigned_t v) {
+    // Past int64: a double (as the old reader did), so as_int() reports it instead of wrapping.
+    if (v > static_cast<uint64_t>(INT64_MAX)) return put(Json(static_cast<double>(v)));
+    return put(Json(static_cast<int64_t>(v)));
+  }
+  bool number_float(NJ::number_float_t v, const NJ::string_t&) { return put(Json(static_cast<double>(v))); }
+  bool string(NJ::string_t& v) { return put(Json(std::move(v))); }
+  bool binary(NJ::binary_t&) { BMT_ERROR(what_, ": invalid JSON: binary value"); }
+  bool start_object(std::size_t) { return open(Json::object()); }
+  bool key(NJ::string_t& k) {
+    if (!keys_.back().insert(k).second) BMT_ERROR(what_, ": invalid JSON: duplicate key \"", k, "\"");
+    key_ = std::move(k);
+    return true;
+  }
+  bool end_object() { return close(); }
+  bool start_array(std::size_t) { return open(Json::array()); }
+  bool end_array() { return close(); }
+  bool parse_error(std::size_t byte, const std::string&, const nlohmann::detail::exception& e) {
+    BMT_ERROR(what_, ": invalid JSON at byte ", byte == 0 ? 0 : byte - 1, ": ", describe_parse_error(e.what()));
   }
 
  private:
-  [[noreturn]] void fail(const std::string& msg) const {
-    BMT_ERROR(what_, ": invalid JSON at byte ", pos_, ": ", msg);
-  }
-  bool at_end() const { return pos_ >= s_.size(); }
-  char peek() const { return at_end() ? '\0' : s_[pos_]; }
-  void skip_ws() {
-    while (!at_end() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) ++pos_;
-  }
-  void expect(char c) {
-    if (peek() != c || at_end()) fail(std::string("expected '") + c + "'");
-    ++pos_;
-  }
-  void expect_word(const char* w) {
-    for (const char* p = w; *p; ++p) {
-      if (at_end() || s_[pos_] != *p) fail(std::string("expected '") + w + "'");
-      ++pos_;
+  // Stores v where the document is at: the root, the open array's end, or the open object's pending key.
+  Json* place(Json v) {
+    if (stack_.empty()) {
+      root_ = std::move(v);
+      return &root_;
     }
-  }
-
-  Json parse_value(int depth) {
-    if (depth > Json::kMaxDepth) fail("nesting deeper than " + std::to_string(Json::kMaxDepth));
-    if (at_end()) fail("unexpected end of input");
-    char c = s_[pos_];
-    switch (c) {
-      case '{': return parse_object(depth);
-      case '[': return parse_array(depth);
-      case '"': return Json(parse_string());
-      case 't': expect_word("true"); return Json(true);
-      case 'f': expect_word("false"); return Json(false);
-      case 'n': expect_word("null"); return Json();
-      default:
-        if (c == '-' || (c >= '0' && c <= '9')) return parse_number();
-        fail(std::string("unexpected character '") + (c >= 0x20 && c < 0x7f ? std::string(1, c) : "?") + "'");
+    Json& top = *stack_.back();
+    if (top.type_ == Json::Type::kArray) {
+      top.arr_.push_back(std::move(v));
+      return &top.arr_.back();
     }
+    top.obj_.emplace_back(std::move(key_), std::move(v));
+    return &top.obj_.back().second;
+  }
+  bool put(Json v) {
+    place(std::move(v));
+    return true;
+  }
+  bool open(Json container) {
+    if (stack_.size() >= static_cast<size_t>(Json::kMaxDepth))
+      BMT_ERROR(what_, ": invalid JSON: nesting deeper than ", Json::kMaxDepth);
+    stack_.push_back(place(std::move(container)));  // ancestors stay put: only the open container grows
+    keys_.emplace_back();
+    return true;
+  }
+  bool close() {
+    stack_.pop_back();
+    keys_.pop_back();
+    return true;
   }
 
-  Json parse_object(int depth) {
-    expect('{');
-    Json obj = Json::object();
-    std::set<std::string> seen;
-    skip_ws();
-    if (peek() == '}' && !at_end()) {
-      ++pos_;
-      return obj;
-    }
-    while (true) {
-      skip_ws();
-      if (peek() != '"' || at_end()) fail("expected a string key");
-      std::string key = parse_string();
-      if (!seen.insert(key).second) fail("duplicate key \"" + key + "\"");
-      skip_ws();
-      expect(':');
-      skip_ws();
-      obj.obj_.emplace_back(std::move(key), parse_value(depth + 1));
-      skip_ws();
-      if (peek() == ',' && !at_end()) {
-        ++pos_;
-        continue;
-      }
-      expect('}');
-      return obj;
-    }
-  }
-
-  Json parse_array(int depth) {
-    expect('[');
-    Json arr = Json::array();
-    skip_ws();
-    if (peek() == ']' && !at_end()) {
-      ++pos_;
-      return arr;
-    }
-    while (true) {
-      skip_ws();
-      arr.arr_.push_back(parse_value(depth + 1));
-      skip_ws();
-      if (peek() == ',' && !at_end()) {
-        ++pos_;
-        continue;
-      }
-      expect(']');
-      return arr;
-    }
-  }
-
-  uint32_t parse_hex4() {
-    if (s_.size() - pos_ < 4) fail("truncated \\u escape");
-    uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) {
-      char c = s_[pos_++];
-      v <<= 4;
-      if (c >= '0' && c <= '9') v |= static_cast<uint32_t>(c - '0');
-      else if (c >= 'a' && c <= 'f') v |= static_cast<uint32_t>(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') v |= static_cast<uint32_t>(c - 'A' + 10);
-      else fail("bad hex digit in \\u escape");
-    }
-    return v;
-  }
-
-  static void append_utf8(std::string& out, uint32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-
-  std::string parse_string() {
-    expect('"');
-    std::string out;
-    while (true) {
-      if (at_end()) fail("unterminated string");
-      char c = s_[pos_++];
-      if (c == '"') return out;
-      if (static_cast<unsigned char>(c) < 0x20) fail("control character in string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (at_end()) fail("unterminated escape");
-      char e = s_[pos_++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          uint32_t cp = parse_hex4();
-          if (cp >= 0xD800 && cp <= 0xDBFF) {
-            if (s_.size() - pos_ < 2 || s_[pos_] != '\\' || s_[pos_ + 1] != 'u') fail("unpaired UTF-16 surrogate");
-            pos_ += 2;
-            uint32_t lo = parse_hex4();
-            if (lo < 0xDC00 || lo > 0xDFFF) fail("invalid UTF-16 low surrogate");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-          } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
-            fail("unpaired UTF-16 surrogate");
-          }
-          append_utf8(out, cp);
-          break;
-        }
-        default: fail("invalid escape");
-      }
-    }
-  }
-
-  Json parse_number() {
-    const size_t start = pos_;
-    bool is_int = true;
-    if (peek() == '-') ++pos_;
-    size_t digits = 0;
-    while (!at_end() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_, ++digits;
-    if (digits == 0) fail("number without digits");
-    if (!at_end() && s_[pos_] == '.') {
-      is_int = false;
-      ++pos_;
-      size_t frac = 0;
-      while (!at_end() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_, ++frac;
-      if (frac == 0) fail("number without fraction digits");
-    }
-    if (!at_end() && (s_[pos_] == 'e' || s_[pos_] == 'E')) {
-      is_int = false;
-      ++pos_;
-      if (!at_end() && (s_[pos_] == '+' || s_[pos_] == '-')) ++pos_;
-      size_t exp = 0;
-      while (!at_end() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_, ++exp;
-      if (exp == 0) fail("number without exponent digits");
-    }
-    std::string tok(s_.substr(start, pos_ - start));
-    if (is_int) {
-      bool neg = tok[0] == '-';
-      uint64_t v = 0;
-      bool overflow = false;
-      for (size_t i = neg ? 1 : 0; i < tok.size(); ++i) {
-        uint64_t d = static_cast<uint64_t>(tok[i] - '0');
-        if (v > (UINT64_MAX - d) / 10) overflow = true;
-        v = v * 10 + d;
-      }
-      const uint64_t limit = neg ? (uint64_t{1} << 63) : static_cast<uint64_t>(INT64_MAX);
-      if (!overflow && v <= limit) return Json(neg ? static_cast<int64_t>(0 - v) : static_cast<int64_t>(v));
-    }
-    return Json(std::strtod(tok.c_str(), nullptr));
-  }
-
-  std::string_view s_;
   const std::string& what_;
-  size_t pos_ = 0;
+  Json root_;
+  std::vector<Json*> stack_;
+  std::vector<std::unordered_set<std::string>> keys_;
+  std::string key_;
 };
 
 Json Json::array(Array items) {
@@ -237,74 +121,38 @@ Json Json::object(Object items) {
   return j;
 }
 
-Json Json::parse(std::string_view text, const std::string& what) { return JsonParser(text, what).parse_document(); }
-
-namespace {
-void dump_string(std::string& out, const std::string& s) {
-  out += '"';
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  out += '"';
+Json Json::parse(std::string_view text, const std::string& what) {
+  JsonParser sax(what);
+  nlohmann::json::sax_parse(text.begin(), text.end(), &sax, nlohmann::json::input_format_t::json, /*strict=*/true,
+                            /*ignore_comments=*/false);
+  return sax.take();
 }
 
-void dump_value(std::string& out, const Json& v) {
+namespace {
+nlohmann::ordered_json to_nlohmann(const Json& v) {
   switch (v.type()) {
-    case Json::Type::kNull: out += "null"; break;
-    case Json::Type::kBool: out += v.as_bool("") ? "true" : "false"; break;
-    case Json::Type::kInt: out += std::to_string(v.as_int("")); break;
+    case Json::Type::kNull: return nullptr;
+    case Json::Type::kBool: return v.as_bool("");
+    case Json::Type::kInt: return v.as_int("");
     case Json::Type::kDouble: {
-      double d = v.as_double("");
-      if (!std::isfinite(d)) {
-        out += "null";  // JSON has no inf/nan
-        break;
-      }
-      char buf[40];
-      std::snprintf(buf, sizeof buf, "%.17g", d);
-      out += buf;
-      if (std::string(buf).find_first_of(".eEn") == std::string::npos) out += ".0";  // stays a real number
-      break;
+      const double d = v.as_double("");
+      if (!std::isfinite(d)) return nullptr;  // JSON has no inf/nan
+      return d;
     }
-    case Json::Type::kString: dump_string(out, v.as_string("")); break;
+    case Json::Type::kString: return v.as_string("");
     case Json::Type::kArray: {
-      out += '[';
-      bool first = true;
-      for (const Json& item : v.as_array("")) {
-        if (!first) out += ',';
-        first = false;
-        dump_value(out, item);
-      }
-      out += ']';
-      break;
+      nlohmann::ordered_json a = nlohmann::ordered_json::array();
+      for (const Json& item : v.as_array("")) a.push_back(to_nlohmann(item));
+      return a;
     }
     case Json::Type::kObject: {
-      out += '{';
-      bool first = true;
-      for (const auto& kv : v.as_object("")) {
-        if (!first) out += ',';
-        first = false;
-        dump_string(out, kv.first);
-        out += ':';
-        dump_value(out, kv.second);
-      }
-      out += '}';
-      break;
+      nlohmann::ordered_json o = nlohmann::ordered_json::object();
+      // ordered_json's operator[] would search the keys; ours are unique already.
+      for (const auto& kv : v.as_object("")) o.get_ref<nlohmann::ordered_json::object_t&>().emplace_back(kv.first, to_nlohmann(kv.second));
+      return o;
     }
   }
+  return nullptr;
 }
 
 const char* type_name(Json::Type t) {
@@ -322,9 +170,13 @@ const char* type_name(Json::Type t) {
 }  // namespace
 
 std::string Json::dump() const {
-  std::string out;
-  dump_value(out, *this);
-  return out;
+  try {
+    // Compact, insertion order, non-ASCII as UTF-8; strings that are not UTF-8 are an error (no file we
+    // write has them: names come from module paths).
+    return to_nlohmann(*this).dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::strict);
+  } catch (const nlohmann::json::exception& e) {
+    BMT_ERROR("JSON dump: ", e.what(), " (a key or string value is not valid UTF-8; rename it)");
+  }
 }
 
 #define BMT_JSON_EXPECT(cond, ctx, want) \
