@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -82,6 +83,19 @@ void OutFile::write_zeros(int64_t nbytes) {
     write(zeros, n);
     nbytes -= n;
   }
+}
+
+void OutFile::start_writeback(int64_t offset_nbytes, int64_t nbytes) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("BMT_CKPT_WRITEBACK");
+    return !(e && std::string(e) == "0");
+  }();
+  if (!enabled || fd_ < 0 || nbytes <= 0) return;
+#ifdef SYNC_FILE_RANGE_WRITE
+  (void)::sync_file_range(fd_, offset_nbytes, nbytes, SYNC_FILE_RANGE_WRITE);
+#else
+  (void)offset_nbytes;
+#endif
 }
 
 void OutFile::sync() {

@@ -28,6 +28,10 @@ class OutFile {
 
   void write(const void* data, int64_t nbytes);
   void write_zeros(int64_t nbytes);
+  // Starts writing back [offset, offset + nbytes) without waiting (sync_file_range), so that the final fsync
+  // finds little left and dirty pages do not pile up. A hint: errors surface at sync(). BMT_CKPT_WRITEBACK=0
+  // turns it off.
+  void start_writeback(int64_t offset_nbytes, int64_t nbytes);
   int64_t position_nbytes() const { return pos_; }
   void sync();
   void close();

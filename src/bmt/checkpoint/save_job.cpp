@@ -58,6 +58,7 @@ void SaveJob::run() { body(); }
 
 void SaveJob::run_failed(const std::string& error) {
   spec_.items.clear();
+  spec_.snapshot.reset();
   error_ = error;
   try {
     write_file_durable(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
@@ -76,13 +77,17 @@ void SaveJob::body() {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string name = shard_file_name(spec_.rank);
   error_ = capture_error([&] {
-    ShardFileInfo info = write_shard_file(join_path(spec_.tmp_dir, name), name, spec_.items, spec_.file_nbytes,
-                                          spec_.meta_template.checksum_block_nbytes);
-    spec_.items.clear();  // release the host snapshot as soon as it is on disk
+    const std::string path = join_path(spec_.tmp_dir, name);
+    const int64_t B = spec_.meta_template.checksum_block_nbytes;
+    ShardFileInfo info = spec_.snapshot ? spec_.snapshot->write(path, name, B, &profile_)
+                                        : write_shard_file(path, name, spec_.items, spec_.file_nbytes, B, &profile_);
+    spec_.items.clear();
+    spec_.snapshot.reset();  // the host chunks are free for the next save
     write_s_ = seconds_since(t0);
     write_file_durable(join_path(spec_.tmp_dir, done_file_name(spec_.rank)), encode_file_info(info));
   });
   spec_.items.clear();
+  spec_.snapshot.reset();
   if (!error_.empty()) {
     char need[96];
     std::snprintf(need, sizeof need, " [this rank's shard file needs %.1f MiB]",
