@@ -1,6 +1,7 @@
 #include "bmt/checkpoint/host_staging_internal.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -39,10 +40,12 @@ HostChunk make_chunk(bool pinned) {
     return c;
   }
 #endif
-  pinned = false;
   c.pinned = false;
-  c.buf = at::empty({g_chunk_nbytes}, at::TensorOptions().dtype(at::kByte));
-  c.data = static_cast<char*>(c.buf.data_ptr());
+  void* p = nullptr;  // page-aligned: O_DIRECT writes (BMT_CKPT_DIRECT=1) need it
+  BMT_CHECK(::posix_memalign(&p, 4096, static_cast<size_t>(g_chunk_nbytes)) == 0, "checkpoint save: cannot allocate ",
+            g_chunk_nbytes >> 20, " MiB of host memory for a staging buffer");
+  c.buf = at::from_blob(p, {g_chunk_nbytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+  c.data = static_cast<char*>(p);
   return c;
 }
 

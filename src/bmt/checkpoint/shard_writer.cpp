@@ -34,7 +34,7 @@ ShardFileInfo write_image(const std::string& path, const std::string& name, Imag
   ShardFileInfo info;
   info.name = name;
   BlockCrcAccumulator crc(block_nbytes);
-  OutFile out(path);
+  OutFile out(path, direct_writes_requested());
   const int64_t n = filler.num_chunks();
   std::future<std::vector<CrcSegment>> pending;
   int64_t pending_k = -1;
