@@ -19,8 +19,9 @@
 //  save_sharded / load_sharded: bmt::checkpoint::save/load of model + optimizer (OptimManager) + step + RNG.
 //    Per rank: bytes = this rank's shard file (rank-XXXXX.bin; for the load this is what the rank reads at an
 //    unchanged world size, rounded to 1 MiB checksum blocks), gb_per_s = bytes / rank seconds; aggregate:
-//    bytes = all shard files, gb_per_s = bytes / seconds (slowest rank). Included: the host copy of the optimizer
-//    state the save takes through its StateDict, and the CRC-32 of every byte (save and load).
+//    bytes = all shard files, gb_per_s = bytes / seconds (slowest rank). Included: staging every byte through host
+//    memory (device → pinned host with CUDA; the optimizer state is read live, without a state-dict copy), and the
+//    CRC-32 of every byte (save and load).
 //  save_async: bmt::checkpoint::save(..., async) issued between two training steps, training continuing.
 //    stall_s = time from calling save until it returns (planning + host snapshot); issue_step_s = stall + the step
 //    that follows it; then steps run while any rank's background write is pending (at most M; agreed by an

@@ -12,6 +12,8 @@
 #   CKPT_DISK_GIB=8        size of the dd files
 #   CKPT_BUDGET_S=450      wall-clock budget; a preset starts only while its estimated time fits
 #   CKPT_DIR               where checkpoints go (default a fresh directory under /tmp, removed after)
+#   CKPT_DIRECT_PASS=1     then, while >= 150 s are left, one more sharded save + load of the first preset with
+#                          BMT_CKPT_DIRECT=1 (O_DIRECT shard writes; the load after it is cold): 0 drops it
 # Output: the bench's table and RESULT line; JSON lines in $OUT/bench_ckpt/ckpt.jsonl when $OUT is set (else in
 # a temporary directory, printed at the end), plus each preset's log.
 set -uo pipefail
@@ -49,5 +51,13 @@ for preset in $PRESETS; do
   echo "run_ckpt_bench: $preset exit ${PIPESTATUS[0]} after $(( $(date +%s) - start ))s"
   rm -rf "$BASE/$preset"
 done
+first=${PRESETS%% *}
+left=$(( BUDGET - ($(date +%s) - start) ))
+if [ "${CKPT_DIRECT_PASS:-1}" = 1 ] && [ "$left" -ge 150 ]; then
+  echo "=== $first with O_DIRECT shard writes (BMT_CKPT_DIRECT=1; sharded only, repeat 1; timeout ${left}s)"
+  BMT_CKPT_DIRECT=1 timeout --kill-after=10 "$left" "$BIN" --preset "$first" --repeat 1 --ops sharded --profile \
+      --dir "$BASE/$first-direct" 2>&1 | tee "$LOGDIR/$first-direct.log"
+  rm -rf "$BASE/$first-direct"
+fi
 [ -z "${CKPT_DIR:-}" ] && rm -rf "$BASE"
 echo "run_ckpt_bench: JSON lines in $JSON"
