@@ -19,8 +19,10 @@
 namespace bmt::checkpoint {
 namespace {
 
-std::mutex g_chunks_mutex;
-std::vector<std::unique_ptr<HostChunk>> g_chunks;
+// Never destroyed: an async save still writing from them at program end (its handle's destructor joins the
+// writer during static destruction) must not see them freed.
+std::mutex& g_chunks_mutex = *new std::mutex;
+std::vector<std::unique_ptr<HostChunk>>& g_chunks = *new std::vector<std::unique_ptr<HostChunk>>;
 int64_t g_chunk_nbytes = kDefaultStageChunkNbytes;
 
 HostChunk make_chunk(bool pinned) {

@@ -33,6 +33,12 @@ ShardFileInfo decode_file_info(const std::string& s, const std::string& what) {
   return f;
 }
 
+// A marker rank 0 polls for: written under a temporary name, then renamed, so that it is never seen half-written.
+void write_marker(const std::string& path, const std::string& bytes) {
+  write_file_durable(path + ".partial", bytes);
+  rename_path(path + ".partial", path);
+}
+
 }  // namespace
 
 std::string done_file_name(int rank) {
@@ -61,7 +67,7 @@ void SaveJob::run_failed(const std::string& error) {
   spec_.snapshot.reset();
   error_ = error;
   try {
-    write_file_durable(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
+    write_marker(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
     if (spec_.rank == 0) remove_tree(spec_.tmp_dir);
   } catch (...) {
   }
@@ -84,7 +90,7 @@ void SaveJob::body() {
     spec_.items.clear();
     spec_.snapshot.reset();  // the host chunks are free for the next save
     write_s_ = seconds_since(t0);
-    write_file_durable(join_path(spec_.tmp_dir, done_file_name(spec_.rank)), encode_file_info(info));
+    write_marker(join_path(spec_.tmp_dir, done_file_name(spec_.rank)), encode_file_info(info));
   });
   spec_.items.clear();
   spec_.snapshot.reset();
@@ -98,7 +104,7 @@ void SaveJob::body() {
     } catch (...) {
     }
     try {
-      write_file_durable(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
+      write_marker(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
     } catch (...) {
     }
   }

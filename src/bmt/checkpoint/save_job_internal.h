@@ -2,7 +2,7 @@
 // a background thread (async). It never calls a collective, so it can run while training continues.
 //
 // Protocol inside the temporary directory (a shared filesystem):
-//   every rank: write + fsync its shard file, then durably write "rank-XXXXX.done" (the file's size and CRCs), or
+//   every rank: write + fsync its shard file, then durably write (under a temporary name, then renamed) "rank-XXXXX.done" (the file's size and CRCs), or
 //               "rank-XXXXX.failed" (the error) on failure;
 //   rank 0:     waits (up to the configured timeout) until every rank's .done exists (a .failed ends the wait
 //               with that rank's error), writes the metadata file last, removes the .done files and commits the

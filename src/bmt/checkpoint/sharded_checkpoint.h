@@ -10,9 +10,13 @@
 //  2. rank 0 repairs/cleans leftovers of interrupted saves and creates "<dir>.tmp-<random>";
 //  3. every rank writes its shard file in parallel; rank 0 writes the metadata last and atomically replaces
 //     "<dir>" (atomic_dir.h). A crash at any point leaves the previous or the new checkpoint loadable.
-//  Async mode: step 3 runs on a background thread from a host snapshot of this rank's pieces; save() returns after
-//  the snapshot, and SaveStats::stall_s reports how long the caller was blocked. Only one save is in flight: a new
-//  save (or wait_pending_save) first waits for the previous one. SaveHandle::wait() is collective.
+//  Async mode: step 3 runs on a background thread from a host snapshot of this rank's pieces (shard_writer_internal.h:
+//  device tensors are copied into pinned host chunks on a side stream and the compute stream waits for those copies,
+//  so save() returns without waiting for them; host tensors are memcpy'd before it returns; the chunks are kept for
+//  the next save, release_snapshot_buffers() frees them). SaveStats::stall_s reports how long the caller was
+//  blocked. Only one save is in flight: a new save, wait_pending_save, load, or the handle's destruction at program
+//  end first waits for the previous one; its error is thrown there (naming the file). SaveHandle::wait() is
+//  collective.
 //
 // load (collective): every rank opens the checkpoint (CheckpointReader), checks the model (missing / unexpected
 // keys, shape and dtype mismatches) and each component's state (unknown parameters, shapes) and reports every
