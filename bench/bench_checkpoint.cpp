@@ -3,6 +3,7 @@
 //   bmt-bench-ckpt [--preset gpt-1.3b|gpt2-124m|llama-7b|tiny] [--seq T] [--batch B] [--dir DIR] [--keep]
 //                  [--repeat N (3)] [--warmup W (2)] [--steps S (5)] [--async-max-steps M (200)]
 //                  [--ops safetensors,pt,sharded,async] [--drop-cache] [--json PATH] [--seed S]
+//                  [--disk-gib G (0)] [--profile]
 //   N ranks: build/tools/bmtrun --nproc N build/bench/bmt-bench-ckpt ... (any launcher init_distributed reads)
 //
 // Model: examples/models (GPT-2; Llama for llama-*) with vocabulary 50304, every layer a ZeRO-3 Block, bf16
@@ -18,8 +19,9 @@
 //  save_sharded / load_sharded: bmt::checkpoint::save/load of model + optimizer (OptimManager) + step + RNG.
 //    Per rank: bytes = this rank's shard file (rank-XXXXX.bin; for the load this is what the rank reads at an
 //    unchanged world size, rounded to 1 MiB checksum blocks), gb_per_s = bytes / rank seconds; aggregate:
-//    bytes = all shard files, gb_per_s = bytes / seconds (slowest rank). Included: the host copy of the optimizer
-//    state the save takes through its StateDict, and the CRC-32 of every byte (save and load).
+//    bytes = all shard files, gb_per_s = bytes / seconds (slowest rank). Included: staging every byte through host
+//    memory (device → pinned host with CUDA; the optimizer state is read live, without a state-dict copy), and the
+//    CRC-32 of every byte (save and load).
 //  save_async: bmt::checkpoint::save(..., async) issued between two training steps, training continuing.
 //    stall_s = time from calling save until it returns (planning + host snapshot); issue_step_s = stall + the step
 //    that follows it; then steps run while any rank's background write is pending (at most M; agreed by an
@@ -42,6 +44,16 @@
 // (per_rank, seconds_min, samples, verified, drop_cache, preset, seq, batch, params, device, dtype, ...).
 // DIR defaults to a fresh /tmp/bmt-bench-ckpt-XXXXXX (needs a filesystem every rank sees), removed at the end
 // unless --keep (left behind after a failure); only one repeat's files per op exist at a time (--keep: the last).
+// The disk's own figures (--disk-gib G > 0, rank 0, before the ops, in DIR): `dd if=/dev/zero bs=64M` of G GiB with
+//   conv=fsync (dd_write_fsync) and with oflag=direct + fsync (dd_write_direct), then `dd of=/dev/null bs=64M` of
+//   that file warm (dd_read_warm, just written) and cold (dd_read_cold: only with --drop-cache); timed by wall
+//   clock around the command; the file is deleted after. The table then gives our figures as a ratio of dd's.
+// --drop-cache: as root also `sync; echo 3 > /proc/sys/vm/drop_caches` (else posix_fadvise only); the sharded
+//   load is then measured twice per repeat: warm (load_sharded, the files just written) and cold
+//   (load_sharded_cold).
+// --profile: per-stage times of the saves (planning + collectives, snapshot, waiting for staged bytes = device
+//   → host copies, write syscalls, waiting for the checksum workers, fsync, commit) and the loads (check = read
+//   + verify the optimizer state, apply = model reads + copies into place), printed and in the JSON lines.
 // Exit codes: 0 ok, 1 error, 2 bad arguments, 4 a load returned different values.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -100,14 +112,15 @@ std::string broadcast_from_rank0(const std::string& mine) {
 
 struct Args {
   std::string preset = "gpt-1.3b", dir, json_path, ops = "safetensors,pt,sharded,async";
-  int64_t seq = 0, batch = 0, repeat = 3, warmup = 2, steps = 5, async_max_steps = 200, seed = 1234;
-  bool keep = false, drop_cache = false;
+  int64_t seq = 0, batch = 0, repeat = 3, warmup = 2, steps = 5, async_max_steps = 200, seed = 1234, disk_gib = 0;
+  bool keep = false, drop_cache = false, profile = false;
 };
 
 const char* kUsage =
     "usage: bmt-bench-ckpt [--preset gpt-1.3b|gpt2-124m|llama-7b|tiny] [--seq T] [--batch B] [--dir DIR] [--keep]\n"
     "                      [--repeat N (3)] [--warmup W (2)] [--steps S (5)] [--async-max-steps M (200)]\n"
-    "                      [--ops safetensors,pt,sharded,async] [--drop-cache] [--json PATH] [--seed S]\n";
+    "                      [--ops safetensors,pt,sharded,async] [--drop-cache] [--json PATH] [--seed S]\n"
+    "                      [--disk-gib G (0)] [--profile]\n";
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -118,7 +131,7 @@ Args parse_args(int argc, char** argv) {
   const std::map<std::string, int64_t*> ints = {{"--seq", &a.seq},       {"--batch", &a.batch},
                                                  {"--repeat", &a.repeat}, {"--warmup", &a.warmup},
                                                  {"--steps", &a.steps},   {"--async-max-steps", &a.async_max_steps},
-                                                 {"--seed", &a.seed}};
+                                                 {"--seed", &a.seed},     {"--disk-gib", &a.disk_gib}};
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (auto it = ints.find(f); it != ints.end()) {
@@ -136,11 +149,14 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--ops") a.ops = need(i);
     else if (f == "--keep") a.keep = true;
     else if (f == "--drop-cache") a.drop_cache = true;
+    else if (f == "--profile") a.profile = true;
     else if (f == "--help" || f == "-h") std::printf("%s", kUsage), std::exit(0);
     else throw std::invalid_argument("unknown argument '" + f + "'");
   }
-  if (a.repeat < 1 || a.warmup < 1 || a.steps < 1 || a.async_max_steps < 0 || a.seq < 0 || a.batch < 0)
-    throw std::invalid_argument("--repeat, --warmup, --steps must be >= 1, --seq, --batch, --async-max-steps >= 0");
+  if (a.repeat < 1 || a.warmup < 1 || a.steps < 1 || a.async_max_steps < 0 || a.seq < 0 || a.batch < 0 ||
+      a.disk_gib < 0)
+    throw std::invalid_argument("--repeat, --warmup, --steps must be >= 1, --seq, --batch, --async-max-steps, "
+                                "--disk-gib >= 0");
   std::stringstream ss(a.ops);
   for (std::string op; std::getline(ss, op, ',');)
     if (op != "safetensors" && op != "pt" && op != "sharded" && op != "async")
@@ -161,8 +177,13 @@ double file_nbytes(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0 ? static_cast<double>(st.st_size) : NAN;
 }
 
-// Drops the clean cached pages of `path` (a file, or the files of a directory) from this host's page cache.
+// Drops the clean cached pages of `path` (a file, or the files of a directory) from this host's page cache; as
+// root, the whole page cache too.
 void drop_cache(const std::string& path) {
+  if (::geteuid() == 0) {
+    ::sync();
+    std::ofstream("/proc/sys/vm/drop_caches") << "3\n";
+  }
   std::vector<std::string> files{path};
   if (ckio::is_directory(path)) {
     files.clear();
@@ -206,6 +227,7 @@ struct Bench {
   std::shared_ptr<bmt::optim::AdamOptimizer> optimizer;
   std::shared_ptr<bmt::optim::OptimManager> manager;
   std::vector<std::string> table_rows;
+  std::map<std::string, double> ours_gb_per_s;
   std::string result;  // the RESULT line
 
   void sync() { if (cuda) torch::cuda::synchronize(); }
@@ -365,6 +387,7 @@ struct Bench {
                   total_bytes / med / 1e9, std::isfinite(stall) ? json_num(stall, 4).c_str() : "-", rg.str().c_str());
     table_rows.push_back(row);
     result += op + "=" + json_num(total_bytes / med / 1e9, 3) + "GB/s";
+    ours_gb_per_s[op] = total_bytes / med / 1e9;
     result += std::isfinite(stall) ? ",stall=" + json_num(stall, 3) + "s " : " ";
     if (rank != 0 || a.json_path.empty()) return;
     std::ostringstream j;
@@ -416,38 +439,123 @@ struct Bench {
     report("load_" + ext, loads, nbytes);
   }
 
+  // The profile of a save as JSON fields and a printed line (rank 0's figures).
+  std::string save_profile(const std::string& op, const bmt::checkpoint::SaveStats& s) {
+    const double commit = s.total_s - s.stall_s;
+    std::ostringstream j;
+    j << ",\"profile\":{\"plan_s\":" << json_num(s.plan_s) << ",\"snapshot_s\":" << json_num(s.snapshot_s)
+      << ",\"wait_data_s\":" << json_num(s.wait_data_s) << ",\"write_syscalls_s\":" << json_num(s.write_syscalls_s)
+      << ",\"crc_wait_s\":" << json_num(s.crc_wait_s) << ",\"fsync_s\":" << json_num(s.fsync_s)
+      << ",\"write_s\":" << json_num(s.write_s) << ",\"total_s\":" << json_num(s.total_s) << "}";
+    if (a.profile && rank == 0)
+      std::printf("bench_ckpt: profile %s (rank 0): plan+collectives %.3f s, snapshot %.3f s | shard write %.3f s = "
+                  "waiting for staged bytes (D2H/memcpy) %.3f + write syscalls %.3f + waiting for CRC %.3f + fsync "
+                  "%.3f | after the write (markers, metadata, commit) %.3f s | total %.3f s\n", op.c_str(), s.plan_s,
+                  s.snapshot_s, s.write_s, s.wait_data_s, s.write_syscalls_s, s.crc_wait_s, s.fsync_s,
+                  std::max(0.0, commit - s.write_s), s.total_s);
+    return a.profile ? j.str() : "";
+  }
+  std::string load_profile(const std::string& op, const bmt::checkpoint::LoadInfo& info, double seconds) {
+    std::ostringstream j;
+    j << ",\"profile\":{\"check_s\":" << json_num(info.check_s) << ",\"apply_s\":" << json_num(info.apply_s)
+      << ",\"bytes_read\":" << info.bytes_read << "}";
+    if (a.profile && rank == 0)
+      std::printf("bench_ckpt: profile %s (rank 0): %.3f s = check + read the optimizer state %.3f s, model reads + "
+                  "copies into place %.3f s; %.3f GB read from shard files\n", op.c_str(), seconds, info.check_s,
+                  info.apply_s, static_cast<double>(info.bytes_read) / 1e9);
+    return a.profile ? j.str() : "";
+  }
+
   void sharded() {
     const at::Tensor expected = probe(true);
-    std::vector<Ranks> saves, loads;
+    std::vector<Ranks> saves, loads, cold_loads;
     double total = 0;
+    std::string save_prof, load_prof, cold_prof;
     for (int64_t r = 0; r < a.repeat; ++r) {
       const std::string d = dir + "/sharded-" + std::to_string(r);
       bmt::checkpoint::TrainingState st = training_state();
+      bmt::checkpoint::SaveStats stats;
       saves.push_back(timed([&] {
-        const bmt::checkpoint::SaveStats s = bmt::checkpoint::save(d, st).wait();
-        total = static_cast<double>(s.total_nbytes);
-        return static_cast<double>(s.rank_nbytes);
+        stats = bmt::checkpoint::save(d, st).wait();
+        total = static_cast<double>(stats.total_nbytes);
+        return static_cast<double>(stats.rank_nbytes);
       }));
-      maybe_drop(d);
-      scramble(true);
-      bmt::checkpoint::LoadInfo info;
-      loads.push_back(timed([&] {
-        info = bmt::checkpoint::load(d, st);
-        return file_nbytes(ckio::join_path(info.path, bmt::checkpoint::shard_file_name(rank)));
-      }));
-      verify(expected, true, "load_sharded");
-      if (info.step != steps_done)
-        throw Failure("load_sharded: step " + std::to_string(info.step) + ", saved " + std::to_string(steps_done), 4);
+      save_prof = save_profile("save_sharded", stats);
+      for (const bool cold : {false, true}) {
+        if (cold && !a.drop_cache) break;
+        if (cold) drop_cache(d);
+        scramble(true);
+        bmt::checkpoint::LoadInfo info;
+        const Ranks t = timed([&] {
+          info = bmt::checkpoint::load(d, st);
+          return file_nbytes(ckio::join_path(info.path, bmt::checkpoint::shard_file_name(rank)));
+        });
+        (cold ? cold_loads : loads).push_back(t);
+        (cold ? cold_prof : load_prof) = load_profile(cold ? "load_sharded_cold" : "load_sharded", info, t[0].seconds);
+        verify(expected, true, cold ? "load_sharded_cold" : "load_sharded");
+        if (info.step != steps_done)
+          throw Failure("load_sharded: step " + std::to_string(info.step) + ", saved " + std::to_string(steps_done), 4);
+      }
       if (r + 1 < a.repeat || !a.keep) remove(d);
     }
-    report("save_sharded", saves, total);
-    report("load_sharded", loads, total);
+    report("save_sharded", saves, total, NAN, save_prof);
+    report("load_sharded", loads, total, NAN, load_prof);
+    if (!cold_loads.empty()) report("load_sharded_cold", cold_loads, total, NAN, cold_prof);
+  }
+
+  // The disk's own rates on rank 0 (see the header); every rank waits.
+  std::map<std::string, double> dd_gb_per_s;
+  void disk() {
+    barrier();
+    if (rank == 0) {
+      const std::string f = dir + "/dd.bin";
+      const int64_t count = a.disk_gib * 16;  // 64 MiB blocks
+      const double nbytes = static_cast<double>(count) * (64 << 20);
+      auto run = [&](const std::string& op, const std::string& cmd) {
+        const double t0 = now_s();
+        const int rc = std::system(cmd.c_str());
+        const double sec = now_s() - t0;
+        if (rc != 0) {
+          std::printf("bench_ckpt: %s failed (exit %d): %s\n", op.c_str(), rc, cmd.c_str());
+          return;
+        }
+        dd_gb_per_s[op] = nbytes / sec / 1e9;
+        char row[256];
+        std::snprintf(row, sizeof row, "%-17s %9.4f %9s %9.4f %8.3f %8s  (dd, rank 0)", op.c_str(), sec, "-", nbytes / 1e9,
+                      nbytes / sec / 1e9, "-");
+        table_rows.push_back(row);
+        result += op + "=" + json_num(nbytes / sec / 1e9, 3) + "GB/s ";
+        if (a.json_path.empty()) return;
+        std::ofstream out(a.json_path, std::ios::app);
+        out << "{\"bench\":\"checkpoint\",\"config\":" << json_str(config) << ",\"framework\":\"dd\",\"world\":" << world
+            << ",\"op\":" << json_str(op) << ",\"seconds\":" << json_num(sec) << ",\"gb_per_s\":"
+            << json_num(nbytes / sec / 1e9) << ",\"bytes\":" << json_num(nbytes, 15) << ",\"stall_s\":null"
+            << ",\"git_commit\":" << json_str(bench::git_commit()) << ",\"machine\":" << json_str(bench::machine_name())
+            << ",\"date\":" << json_str(bench::utc_now()) << ",\"command\":" << json_str(cmd) << ",\"drop_cache\":"
+            << (a.drop_cache ? "true" : "false") << ",\"root\":" << (::geteuid() == 0 ? "true" : "false")
+            << ",\"dir\":" << json_str(dir) << "}\n";
+      };
+      const std::string n = std::to_string(count);
+      // Direct first: it leaves nothing in the page cache; the buffered write then leaves the file cached.
+      run("dd_write_direct", "dd if=/dev/zero of=" + f + " bs=64M count=" + n + " oflag=direct conv=fsync status=none");
+      ckio::remove_tree(f);
+      run("dd_write_fsync", "dd if=/dev/zero of=" + f + " bs=64M count=" + n + " conv=fsync status=none");
+      run("dd_read_warm", "dd if=" + f + " of=/dev/null bs=64M status=none");
+      if (a.drop_cache) {
+        drop_cache(f);
+        run("dd_read_cold", "dd if=" + f + " of=/dev/null bs=64M status=none");
+      }
+      ckio::remove_tree(f);
+      std::fflush(stdout);
+    }
+    barrier();
   }
 
   void async() {
     std::vector<Ranks> commits;
     std::vector<double> stalls, issues, overlap_s, counts, writes, commit_s;
     double total = 0;
+    std::string async_prof;
     const auto& cfg = bmt::config();
     for (int64_t r = 0; r < a.repeat; ++r) {
       const std::string d = dir + "/async-" + std::to_string(r);
@@ -474,6 +582,7 @@ struct Bench {
         overlap.push_back(now_s() - ts);
       }
       const bmt::checkpoint::SaveStats s = h.wait();
+      async_prof = save_profile("save_async", s);
       total = static_cast<double>(s.total_nbytes);
       commits.push_back(all_ranks({s.total_s, static_cast<double>(s.rank_nbytes), NAN}));
       commit_s.push_back(commits.back()[0].seconds);  // rank 0: save call -> commit
@@ -502,7 +611,7 @@ struct Bench {
       << ",\"slowdown\":" << json_num(ov / step_s) << ",\"write_s\":" << json_num(median(writes))
       << ",\"async_max_steps\":" << a.async_max_steps << ",\"stall_samples\":[";
     for (size_t i = 0; i < stalls.size(); ++i) x << (i ? "," : "") << json_num(stalls[i]);
-    report("save_async", commits, total, stall, x.str() + "]");
+    report("save_async", commits, total, stall, x.str() + "]" + async_prof);
     char buf[96] = "no later step overlapped the write";
     if (n > 0) std::snprintf(buf, sizeof buf, "%.0f steps overlapped the write at %.4f s (%.2fx)", n, ov, ov / step_s);
     if (rank == 0)
@@ -516,6 +625,14 @@ struct Bench {
       std::printf("\n%-17s %9s %9s %9s %8s %8s  %s\n", "op", "seconds", "best", "GB", "GB/s", "stall_s",
                   "GB/s of rank 0 1 ...");
       for (const std::string& r : table_rows) std::printf("%s\n", r.c_str());
+      for (const auto& [ours, theirs] : std::vector<std::pair<std::string, std::string>>{
+               {"save_sharded", "dd_write_fsync"}, {"save_safetensors", "dd_write_fsync"},
+               {"load_sharded_cold", "dd_read_cold"}, {"load_sharded", "dd_read_warm"}}) {
+        auto o = ours_gb_per_s.find(ours);
+        auto d = dd_gb_per_s.find(theirs);
+        if (o != ours_gb_per_s.end() && d != dd_gb_per_s.end())
+          std::printf("%s / %s = %.2f\n", ours.c_str(), theirs.c_str(), o->second / d->second);
+      }
       std::printf("(median of %ld, slowest rank; world %d; %s; baseline step %.4f s; rank 0 host peak %.2f GiB)\n",
                   static_cast<long>(a.repeat), world,
                   a.drop_cache ? "page cache dropped before loads" : "loads may be served from the page cache", step_s,
@@ -542,6 +659,7 @@ int main(int argc, char** argv) {
   }
   try {
     b.setup();
+    if (b.a.disk_gib > 0) b.disk();
     if (has_op(b.a, "safetensors")) b.consolidated("safetensors");
     if (has_op(b.a, "pt")) b.consolidated("pt");
     if (has_op(b.a, "sharded")) b.sharded();

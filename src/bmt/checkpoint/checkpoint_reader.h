@@ -6,7 +6,8 @@
 //    of a commit the newest complete one left beside it);
 //  * every byte returned was covered by a verified block checksum: reading [a, b) of a file reads and checks the
 //    enclosing checksum blocks (a mismatch throws naming the file and the byte range); a verified block is not
-//    checked again;
+//    checked again; runs of whole blocks are read straight into the destination in large reads and verified on
+//    worker threads while the next part is read (one pass over the bytes);
 //  * a shard file that is missing or whose size differs from the metadata throws naming the file;
 //  * requesting elements that no piece holds throws naming the entry and the range.
 #pragma once
@@ -42,6 +43,10 @@ class CheckpointReader {
   // Reads every file completely: sizes, block checksums and whole-file checksums. Returns the problems found.
   std::vector<std::string> verify_all();
 
+  // Bytes read from the shard files so far (what a resharding load costs: the ranges a rank needs, rounded out
+  // to whole checksum blocks).
+  int64_t bytes_read() const { return bytes_read_; }
+
  private:
   struct OpenFile {
     std::unique_ptr<InFile> file;
@@ -49,12 +54,17 @@ class CheckpointReader {
   };
   OpenFile& open_file(int index);
   void read_file_range(int index, int64_t offset, int64_t nbytes, char* dst);
+  // Whole checksum blocks [offset, offset + nbytes) straight into dst, verified on the checksum workers while the
+  // next part is read.
+  void read_whole_blocks(int index, int64_t offset, int64_t nbytes, char* dst);
+  void pread_counted(OpenFile& f, int64_t offset, int64_t nbytes, char* dst);
 
   std::string path_;
   CheckpointMetadata meta_;
   std::unordered_map<std::string, size_t> index_;
   std::unordered_map<int, OpenFile> files_;
   std::vector<char> block_buf_;
+  int64_t bytes_read_ = 0;
 };
 
 }  // namespace bmt::checkpoint

@@ -6,7 +6,7 @@
 namespace bmt::checkpoint {
 namespace {
 
-using Tables = std::array<std::array<uint32_t, 256>, 8>;
+using Tables = std::array<std::array<uint32_t, 256>, 16>;
 
 Tables make_tables() {
   Tables t{};
@@ -16,7 +16,7 @@ Tables make_tables() {
     t[0][i] = c;
   }
   for (uint32_t i = 0; i < 256; ++i)
-    for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFFu];
+    for (int s = 1; s < 16; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFFu];
   return t;
 }
 
@@ -31,15 +31,20 @@ uint32_t crc32_update(uint32_t crc, const void* data, size_t nbytes) {
   const Tables& t = tables();
   const auto* p = static_cast<const uint8_t*>(data);
   uint32_t c = ~crc;
-  while (nbytes >= 8) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, p, 4);
-    std::memcpy(&hi, p + 4, 4);
-    lo ^= c;  // little-endian hosts only (x86-64, aarch64)
-    c = t[7][lo & 0xFFu] ^ t[6][(lo >> 8) & 0xFFu] ^ t[5][(lo >> 16) & 0xFFu] ^ t[4][lo >> 24] ^
-        t[3][hi & 0xFFu] ^ t[2][(hi >> 8) & 0xFFu] ^ t[1][(hi >> 16) & 0xFFu] ^ t[0][hi >> 24];
-    p += 8;
-    nbytes -= 8;
+  // Slicing-by-16: 16 bytes per iteration through 16 independent table look-ups (~2x slicing-by-8).
+  while (nbytes >= 16) {
+    uint32_t w0, w1, w2, w3;
+    std::memcpy(&w0, p, 4);
+    std::memcpy(&w1, p + 4, 4);
+    std::memcpy(&w2, p + 8, 4);
+    std::memcpy(&w3, p + 12, 4);
+    w0 ^= c;  // little-endian hosts only (x86-64, aarch64)
+    c = t[15][w0 & 0xFFu] ^ t[14][(w0 >> 8) & 0xFFu] ^ t[13][(w0 >> 16) & 0xFFu] ^ t[12][w0 >> 24] ^
+        t[11][w1 & 0xFFu] ^ t[10][(w1 >> 8) & 0xFFu] ^ t[9][(w1 >> 16) & 0xFFu] ^ t[8][w1 >> 24] ^
+        t[7][w2 & 0xFFu] ^ t[6][(w2 >> 8) & 0xFFu] ^ t[5][(w2 >> 16) & 0xFFu] ^ t[4][w2 >> 24] ^
+        t[3][w3 & 0xFFu] ^ t[2][(w3 >> 8) & 0xFFu] ^ t[1][(w3 >> 16) & 0xFFu] ^ t[0][w3 >> 24];
+    p += 16;
+    nbytes -= 16;
   }
   while (nbytes-- > 0) c = t[0][(c ^ *p++) & 0xFFu] ^ (c >> 8);
   return ~c;
@@ -63,24 +68,38 @@ Gf2Matrix compose(const Gf2Matrix& a, const Gf2Matrix& b) {  // a after b
   return out;
 }
 
-}  // namespace
-
-uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, int64_t nbytes_b) {
-  if (nbytes_b <= 0) return crc_a ^ crc_b;
+// The operator that advances a raw CRC register over n zero bytes.
+Gf2Matrix zeros_operator(int64_t n_bytes) {
   // One zero bit through the reflected register: shift right, fold the polynomial in when bit 0 falls out.
   Gf2Matrix step{};
   step[0] = 0xEDB88320u;
   for (size_t k = 1; k < 32; ++k) step[k] = 1u << (k - 1);
-  Gf2Matrix zero_byte = step;
-  for (int i = 0; i < 3; ++i) zero_byte = compose(zero_byte, zero_byte);  // 2^3 = 8 bits
-  // Raw registers (no pre/post inversion) are linear, and the inversions of A's and B's CRCs cancel here.
-  uint32_t reg = crc_a;
-  Gf2Matrix power = zero_byte;
-  for (uint64_t n = static_cast<uint64_t>(nbytes_b); n != 0; n >>= 1) {
-    if (n & 1u) reg = gf2_apply(power, reg);
+  Gf2Matrix power = step;
+  for (int i = 0; i < 3; ++i) power = compose(power, power);  // 2^3 = 8 bits: one zero byte
+  Gf2Matrix result{};
+  for (size_t k = 0; k < 32; ++k) result[k] = 1u << k;  // identity
+  for (uint64_t n = static_cast<uint64_t>(n_bytes); n != 0; n >>= 1) {
+    if (n & 1u) result = compose(power, result);
     if (n > 1) power = compose(power, power);
   }
-  return reg ^ crc_b;
+  return result;
+}
+
+}  // namespace
+
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, int64_t nbytes_b) {
+  if (nbytes_b <= 0) return crc_a ^ crc_b;
+  // Raw registers (no pre/post inversion) are linear, and the inversions of A's and B's CRCs cancel here.
+  return gf2_apply(zeros_operator(nbytes_b), crc_a) ^ crc_b;
+}
+
+Crc32Combiner::Crc32Combiner(int64_t nbytes_b) : nbytes_b_(nbytes_b) {
+  if (nbytes_b > 0) shift_ = zeros_operator(nbytes_b);
+}
+
+uint32_t Crc32Combiner::combine(uint32_t crc_a, uint32_t crc_b) const {
+  if (nbytes_b_ <= 0) return crc_a ^ crc_b;
+  return gf2_apply(shift_, crc_a) ^ crc_b;
 }
 
 std::string crc32_hex(uint32_t crc) {

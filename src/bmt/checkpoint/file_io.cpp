@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -48,8 +49,22 @@ std::string space_hint(const std::string& path, int err) {
 
 void set_write_hook(WriteHook hook) { write_hook() = std::move(hook); }
 
-OutFile::OutFile(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+bool direct_writes_requested() {
+  static const bool on = [] {
+    const char* e = std::getenv("BMT_CKPT_DIRECT");
+    return e && std::string(e) == "1";
+  }();
+  return on;
+}
+
+OutFile::OutFile(const std::string& path, bool direct) : path_(path) {
+#ifdef O_DIRECT
+  if (direct) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+    direct_ = fd_ >= 0;  // EINVAL: the filesystem does not support it (tmpfs): buffered below
+  }
+#endif
+  if (fd_ < 0) fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   const int err = errno;
   BMT_CHECK(fd_ >= 0, "cannot create file ", path, ": ", errno_str(err), space_hint(path, err));
 }
@@ -61,6 +76,15 @@ OutFile::~OutFile() {
 void OutFile::write(const void* data, int64_t nbytes) {
   BMT_ASSERT(fd_ >= 0, "write after close of ", path_);
   const auto* p = static_cast<const char*>(data);
+#ifdef O_DIRECT
+  constexpr int64_t kAlign = 4096;
+  if (direct_ && (reinterpret_cast<uintptr_t>(p) % kAlign != 0 || pos_ % kAlign != 0 || nbytes % kAlign != 0)) {
+    const int flags = ::fcntl(fd_, F_GETFL);
+    BMT_CHECK(flags >= 0 && ::fcntl(fd_, F_SETFL, flags & ~O_DIRECT) == 0, "cannot turn off O_DIRECT on ", path_, ": ",
+              errno_str(errno));
+    direct_ = false;
+  }
+#endif
   while (nbytes > 0) {
     const int64_t n = std::min(nbytes, kMaxWriteNbytes);
     if (write_hook()) write_hook()(path_, pos_, n);
@@ -82,6 +106,19 @@ void OutFile::write_zeros(int64_t nbytes) {
     write(zeros, n);
     nbytes -= n;
   }
+}
+
+void OutFile::start_writeback(int64_t offset_nbytes, int64_t nbytes) {
+  static const bool enabled = [] {
+    const char* e = std::getenv("BMT_CKPT_WRITEBACK");
+    return !(e && std::string(e) == "0");
+  }();
+  if (!enabled || direct_ || fd_ < 0 || nbytes <= 0) return;
+#ifdef SYNC_FILE_RANGE_WRITE
+  (void)::sync_file_range(fd_, offset_nbytes, nbytes, SYNC_FILE_RANGE_WRITE);
+#else
+  (void)offset_nbytes;
+#endif
 }
 
 void OutFile::sync() {

@@ -20,14 +20,20 @@ void set_write_hook(WriteHook hook);
 
 class OutFile {
  public:
-  // Creates (truncates) `path` for writing.
-  explicit OutFile(const std::string& path);
+  // Creates (truncates) `path` for writing. direct: O_DIRECT (bypassing the page cache) while the writes are
+  // 4 KiB aligned (address, offset, size); the first unaligned write (a file's tail) turns it off. Falls back to
+  // buffered writes where the filesystem refuses O_DIRECT.
+  explicit OutFile(const std::string& path, bool direct = false);
   ~OutFile();  // closes without reporting errors (call close() to see them)
   OutFile(const OutFile&) = delete;
   OutFile& operator=(const OutFile&) = delete;
 
   void write(const void* data, int64_t nbytes);
   void write_zeros(int64_t nbytes);
+  // Starts writing back [offset, offset + nbytes) without waiting (sync_file_range), so that the final fsync
+  // finds little left and dirty pages do not pile up. A hint: errors surface at sync(). BMT_CKPT_WRITEBACK=0
+  // turns it off.
+  void start_writeback(int64_t offset_nbytes, int64_t nbytes);
   int64_t position_nbytes() const { return pos_; }
   void sync();
   void close();
@@ -37,7 +43,11 @@ class OutFile {
   std::string path_;
   int fd_ = -1;
   int64_t pos_ = 0;
+  bool direct_ = false;
 };
+
+// BMT_CKPT_DIRECT=1: shard files are written with O_DIRECT (OutFile's direct mode).
+bool direct_writes_requested();
 
 class InFile {
  public:

@@ -33,6 +33,12 @@ ShardFileInfo decode_file_info(const std::string& s, const std::string& what) {
   return f;
 }
 
+// A marker rank 0 polls for: written under a temporary name, then renamed, so that it is never seen half-written.
+void write_marker(const std::string& path, const std::string& bytes) {
+  write_file_durable(path + ".partial", bytes);
+  rename_path(path + ".partial", path);
+}
+
 }  // namespace
 
 std::string done_file_name(int rank) {
@@ -58,9 +64,10 @@ void SaveJob::run() { body(); }
 
 void SaveJob::run_failed(const std::string& error) {
   spec_.items.clear();
+  spec_.snapshot.reset();
   error_ = error;
   try {
-    write_file_durable(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
+    write_marker(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
     if (spec_.rank == 0) remove_tree(spec_.tmp_dir);
   } catch (...) {
   }
@@ -76,13 +83,17 @@ void SaveJob::body() {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string name = shard_file_name(spec_.rank);
   error_ = capture_error([&] {
-    ShardFileInfo info = write_shard_file(join_path(spec_.tmp_dir, name), name, spec_.items, spec_.file_nbytes,
-                                          spec_.meta_template.checksum_block_nbytes);
-    spec_.items.clear();  // release the host snapshot as soon as it is on disk
+    const std::string path = join_path(spec_.tmp_dir, name);
+    const int64_t B = spec_.meta_template.checksum_block_nbytes;
+    ShardFileInfo info = spec_.snapshot ? spec_.snapshot->write(path, name, B, &profile_)
+                                        : write_shard_file(path, name, spec_.items, spec_.file_nbytes, B, &profile_);
+    spec_.items.clear();
+    spec_.snapshot.reset();  // the host chunks are free for the next save
     write_s_ = seconds_since(t0);
-    write_file_durable(join_path(spec_.tmp_dir, done_file_name(spec_.rank)), encode_file_info(info));
+    write_marker(join_path(spec_.tmp_dir, done_file_name(spec_.rank)), encode_file_info(info));
   });
   spec_.items.clear();
+  spec_.snapshot.reset();
   if (!error_.empty()) {
     char need[96];
     std::snprintf(need, sizeof need, " [this rank's shard file needs %.1f MiB]",
@@ -93,7 +104,7 @@ void SaveJob::body() {
     } catch (...) {
     }
     try {
-      write_file_durable(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
+      write_marker(join_path(spec_.tmp_dir, failed_file_name(spec_.rank)), error_);
     } catch (...) {
     }
   }

@@ -2,7 +2,7 @@
 // a background thread (async). It never calls a collective, so it can run while training continues.
 //
 // Protocol inside the temporary directory (a shared filesystem):
-//   every rank: write + fsync its shard file, then durably write "rank-XXXXX.done" (the file's size and CRCs), or
+//   every rank: write + fsync its shard file, then durably write (under a temporary name, then renamed) "rank-XXXXX.done" (the file's size and CRCs), or
 //               "rank-XXXXX.failed" (the error) on failure;
 //   rank 0:     waits (up to the configured timeout) until every rank's .done exists (a .failed ends the wait
 //               with that rank's error), writes the metadata file last, removes the .done files and commits the
@@ -14,6 +14,7 @@
 #pragma once
 
 #include <atomic>
+#include <memory>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -27,7 +28,8 @@ namespace bmt::checkpoint::detail {
 struct SaveJobSpec {
   std::string dir, tmp_dir;
   int rank = 0, world_size = 1;
-  std::vector<WriteItem> items;       // this rank's pieces
+  std::vector<WriteItem> items;       // this rank's pieces (sync), or
+  std::unique_ptr<ShardSnapshot> snapshot;  // their host snapshot (async)
   int64_t file_nbytes = 0;            // this rank's planned file size
   CheckpointMetadata meta_template;   // rank 0: everything but files and created_unix_ms
   bool allow_exchange = true;
@@ -49,6 +51,7 @@ class SaveJob {
 
   const std::string& error() const { return error_; }  // "" when this rank's part succeeded
   double write_s() const { return write_s_; }
+  const WriteProfile& profile() const { return profile_; }
   double total_s() const { return total_s_; }
   int64_t rank_nbytes() const { return spec_.file_nbytes; }
   const std::string& tmp_dir() const { return spec_.tmp_dir; }
@@ -63,6 +66,7 @@ class SaveJob {
   std::thread thread_;
   std::string error_;
   double write_s_ = 0, total_s_ = 0;
+  WriteProfile profile_;
   std::atomic<bool> finished_{false};
 };
 

@@ -1,49 +1,88 @@
 #include "bmt/checkpoint/shard_writer_internal.h"
 
 #include <algorithm>
+#include <chrono>
+#include <functional>
 #include <future>
 #include <unordered_map>
 
 #include "bmt/checkpoint/comm_util_internal.h"
-#include "bmt/checkpoint/crc32_internal.h"
+#include "bmt/checkpoint/parallel_crc_internal.h"
 #include "bmt/checkpoint/file_io.h"
 #include "bmt/core/error.h"
 
 namespace bmt::checkpoint {
 namespace {
 
-// CRC-32 per block of B bytes and of the whole stream, fed sequentially. Each byte is checksummed once: the
-// whole-stream CRC is combined from the block CRCs (crc32_combine).
-class BlockCrc {
- public:
-  explicit BlockCrc(int64_t block_nbytes) : B_(block_nbytes) {}
-  void feed(const char* p, int64_t n) {
-    while (n > 0) {
-      const int64_t take = std::min(n, B_ - pos_ % B_);
-      cur_ = crc32_update(cur_, p, static_cast<size_t>(take));
-      pos_ += take;
-      p += take;
-      n -= take;
-      if (pos_ % B_ == 0) close_block(B_);
-    }
-  }
-  void finish(ShardFileInfo& info) {
-    if (pos_ % B_ != 0) close_block(pos_ % B_);
-    info.nbytes = pos_;
-    info.crc32 = whole_;
-    info.block_crc32 = std::move(blocks_);
-  }
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
- private:
-  void close_block(int64_t nbytes) {
-    blocks_.push_back(cur_);
-    whole_ = crc32_combine(whole_, cur_, nbytes);
-    cur_ = 0;
+std::vector<ImagePiece> image_pieces(const std::vector<WriteItem>& items) {
+  std::vector<ImagePiece> pieces;
+  for (const WriteItem& it : items)
+    if (it.src_end > it.src_begin) pieces.push_back({it.byte_offset, detail::byte_view(it.src, it.src_begin, it.src_end)});
+  return pieces;
+}
+
+// Writes the image chunk by chunk: wait for chunk k's bytes, checksum it on the workers while this thread writes
+// it, collect chunk k-1's checksums after chunk k's write (the workers never hold the writer up), then
+// `release(k - 1)` (its buffer may be refilled). One fsync at the end.
+ShardFileInfo write_image(const std::string& path, const std::string& name, ImageFiller& filler,
+                          const std::function<char*(int64_t)>& chunk_data, const std::function<void(int64_t)>& release,
+                          int64_t file_nbytes, int64_t block_nbytes, WriteProfile* profile) {
+  WriteProfile prof;
+  ShardFileInfo info;
+  info.name = name;
+  BlockCrcAccumulator crc(block_nbytes);
+  OutFile out(path, direct_writes_requested());
+  const int64_t n = filler.num_chunks();
+  std::future<std::vector<CrcSegment>> pending;
+  int64_t pending_k = -1;
+  auto collect = [&] {
+    if (pending_k < 0) return;
+    const auto t = Clock::now();
+    for (const CrcSegment& seg : pending.get()) crc.add(seg);
+    prof.crc_wait_s += seconds_since(t);
+    release(pending_k);
+    pending_k = -1;
+  };
+  try {
+    for (int64_t k = 0; k < n; ++k) {
+      auto t = Clock::now();
+      filler.wait(k);
+      prof.wait_data_s += seconds_since(t);
+      const char* data = chunk_data(k);
+      const int64_t len = filler.chunk_nbytes(k);
+      auto sums = checksum_async(crc_pool(), data, filler.chunk_offset(k), len, block_nbytes);
+      t = Clock::now();
+      try {
+        out.write(data, len);
+        out.start_writeback(filler.chunk_offset(k), len);
+      } catch (...) {
+        sums.wait();
+        throw;
+      }
+      prof.write_s += seconds_since(t);
+      collect();
+      pending = std::move(sums);
+      pending_k = k;
+      ++prof.chunks;
+    }
+    collect();
+  } catch (...) {
+    if (pending.valid()) pending.wait();  // the workers must be done with the buffers before they go
+    throw;
   }
-  int64_t B_, pos_ = 0;
-  uint32_t cur_ = 0, whole_ = 0;
-  std::vector<uint32_t> blocks_;
-};
+  BMT_ASSERT(out.position_nbytes() == file_nbytes, "wrote ", out.position_nbytes(), " bytes to ", path, ", planned ",
+             file_nbytes);
+  const auto t = Clock::now();
+  out.sync();
+  out.close();
+  prof.fsync_s = seconds_since(t);
+  crc.finish(info);
+  if (profile) *profile = prof;
+  return info;
+}
 
 }  // namespace
 
@@ -67,65 +106,36 @@ std::vector<WriteItem> rank_write_items(const std::vector<PlannedEntry>& plan, c
   return items;
 }
 
-int64_t snapshot_to_host(std::vector<WriteItem>& items) {
-  int64_t nbytes = 0;
-  for (WriteItem& it : items) {
-    if (it.private_copy && it.src.is_cpu()) {  // already a host copy of its own (e.g. an optimizer state dict)
-      nbytes += (it.src_end - it.src_begin) * static_cast<int64_t>(it.src.element_size());
-      continue;
-    }
-    at::Tensor piece = it.src.reshape({-1}).narrow(0, it.src_begin, it.src_end - it.src_begin);
-    at::TensorOptions opts = piece.options().device(at::kCPU);
-    if (piece.is_cuda()) opts = opts.pinned_memory(true);
-    at::Tensor host = at::empty({piece.numel()}, opts);
-    host.copy_(piece);  // blocking: the buffers are complete before another thread reads them
-    it.src = host;
-    it.src_end -= it.src_begin;
-    it.src_begin = 0;
-    nbytes += host.nbytes();
-  }
-  return nbytes;
+ShardFileInfo write_shard_file(const std::string& path, const std::string& name, const std::vector<WriteItem>& items,
+                               int64_t file_nbytes, int64_t block_nbytes, WriteProfile* profile) {
+  ImageFiller filler(image_pieces(items), file_nbytes);
+  const int64_t n = filler.num_chunks(), ring = std::min<int64_t>(kSyncRingChunks, n);
+  std::vector<HostChunk*> slots = borrow_host_chunks(ring, filler.has_device_pieces());
+  auto slot = [&](int64_t k) { return slots[static_cast<size_t>(k % ring)]->data; };
+  for (int64_t k = 0; k < ring; ++k) filler.fill(k, slot(k));
+  return write_image(path, name, filler, slot,
+                     [&](int64_t k) {
+                       if (k + ring < n) filler.fill(k + ring, slot(k + ring));
+                     },
+                     file_nbytes, block_nbytes, profile);
 }
 
-ShardFileInfo write_shard_file(const std::string& path, const std::string& name, const std::vector<WriteItem>& items,
-                               int64_t file_nbytes, int64_t block_nbytes) {
-  ShardFileInfo info;
-  info.name = name;
-  BlockCrc crc(block_nbytes);
-  OutFile out(path);
-  std::vector<char> zeros;
-  for (const WriteItem& it : items) {
-    const int64_t gap = it.byte_offset - out.position_nbytes();
-    BMT_ASSERT(gap >= 0, "write items out of order in ", path);
-    if (gap > 0) {
-      zeros.assign(static_cast<size_t>(gap), 0);
-      crc.feed(zeros.data(), gap);
-      out.write(zeros.data(), gap);
-    }
-    const int64_t elem = static_cast<int64_t>(it.src.element_size());
-    const int64_t chunk_numel = std::max<int64_t>(1, kCopyChunkNbytes / elem);
-    for (int64_t a = it.src_begin; a < it.src_end; a += chunk_numel) {
-      const int64_t b = std::min(it.src_end, a + chunk_numel);
-      at::Tensor bytes = detail::byte_view(it.src, a, b);
-      if (!bytes.is_cpu()) bytes = bytes.to(at::kCPU);
-      const char* p = static_cast<const char*>(bytes.data_ptr());
-      // Checksum on a second thread while this one writes the same bytes (CRC and disk each ~1-2 GB/s).
-      std::future<void> summed = std::async(std::launch::async, [&crc, p, n = bytes.numel()] { crc.feed(p, n); });
-      try {
-        out.write(p, bytes.numel());
-      } catch (...) {
-        summed.wait();
-        throw;
-      }
-      summed.get();
-    }
-  }
-  BMT_ASSERT(out.position_nbytes() == file_nbytes, "wrote ", out.position_nbytes(), " bytes to ", path, ", planned ",
-             file_nbytes);
-  out.sync();
-  out.close();
-  crc.finish(info);
-  return info;
+ShardSnapshot::ShardSnapshot(const std::vector<WriteItem>& items, int64_t file_nbytes) : file_nbytes_(file_nbytes) {
+  filler_ = std::make_unique<ImageFiller>(image_pieces(items), file_nbytes);
+  chunks_ = borrow_host_chunks(filler_->num_chunks(), filler_->has_device_pieces());
+  for (int64_t k = 0; k < filler_->num_chunks(); ++k) filler_->fill(k, chunks_[static_cast<size_t>(k)]->data);
+  // Host pieces: copied before returning (training may modify them next). Device pieces: the compute stream
+  // waits for their copies, the host does not.
+  filler_->order_current_stream_after_copies();
+  filler_->wait_host_copies();
+}
+
+ShardSnapshot::~ShardSnapshot() = default;
+
+ShardFileInfo ShardSnapshot::write(const std::string& path, const std::string& name, int64_t block_nbytes,
+                                   WriteProfile* profile) {
+  return write_image(path, name, *filler_, [&](int64_t k) { return chunks_[static_cast<size_t>(k)]->data; },
+                     [](int64_t) {}, file_nbytes_, block_nbytes, profile);
 }
 
 }  // namespace bmt::checkpoint

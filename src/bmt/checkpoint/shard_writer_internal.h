@@ -1,41 +1,69 @@
 // Writing one rank's shard file of a sharded checkpoint.
 //
 // The file holds, at the byte offsets the layout assigned (layout_shard_files), the raw bytes of every piece this
-// rank was planned to write; gaps (alignment) are zeros. CRC-32s of each checksum block and of the whole file are
-// computed while writing; the file is fsynced and closed before its info is returned, so a returned
+// rank was planned to write; gaps (alignment) are zeros. The file's bytes are staged in host chunks of
+// stage_chunk_nbytes() (host_staging_internal.h): device pieces are copied to pinned memory on a side stream, host
+// pieces by memcpy on worker threads, while the previous chunks are written (one write stream, large writes)
+// and checksummed on the worker threads (parallel_crc_internal.h): CRC-32s of each checksum block and of the
+// whole file. The file is fsynced once at the end and closed before its info is returned, so a returned
 // ShardFileInfo always describes durable bytes.
-// Device tensors are copied to the host in chunks of at most kCopyChunkNbytes (bounded host memory); with
-// snapshot_to_host the pieces are first copied to host memory (pinned for CUDA tensors) so that training may
-// modify the live tensors while a background thread writes.
+//  * write_shard_file (sync save): a ring of kSyncRingChunks chunks: copies of chunk k+4 overlap the write of k.
+//  * ShardSnapshot (async save): take() copies the whole file image into host chunks and returns once the bytes
+//    are safe from later training (host pieces copied; device copies enqueued with the compute stream ordered
+//    after them), then write() (on a background thread) writes them like the sync path.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "bmt/checkpoint/host_staging_internal.h"
 #include "bmt/checkpoint/metadata.h"
 #include "bmt/checkpoint/slice_plan.h"
 #include "bmt/checkpoint/state_slices.h"
 
 namespace bmt::checkpoint {
 
-constexpr int64_t kCopyChunkNbytes = int64_t{64} << 20;
-
 struct WriteItem {
   int64_t byte_offset = 0;
   at::Tensor src;  // holds elements [src_begin, src_end) of its flattened self to write
   int64_t src_begin = 0, src_end = 0;
-  bool private_copy = false;  // LocalSlice::private_copy: a host tensor needs no snapshot copy
+  bool private_copy = false;  // LocalSlice::private_copy (informational: the snapshot copies every piece)
+};
+
+// Where a shard write's time went (seconds of the writing thread, except crc_busy_s: summed over workers).
+struct WriteProfile {
+  double wait_data_s = 0;  // waiting for a chunk's copies (device → host, memcpy)
+  double write_s = 0;      // write system calls
+  double crc_wait_s = 0;   // waiting for a chunk's checksums after its write
+  double fsync_s = 0;      // the final fsync + close
+  int64_t chunks = 0;
 };
 
 // The pieces of `rank` in layout order, taken from this rank's local slices.
 std::vector<WriteItem> rank_write_items(const std::vector<PlannedEntry>& plan, const FileLayout& layout,
                                         const std::vector<LocalSlice>& mine, int rank);
-// Copies every item's bytes to host memory (the returned items own their copies). Returns the bytes copied.
-int64_t snapshot_to_host(std::vector<WriteItem>& items);
 
 ShardFileInfo write_shard_file(const std::string& path, const std::string& name, const std::vector<WriteItem>& items,
-                               int64_t file_nbytes, int64_t block_nbytes);
+                               int64_t file_nbytes, int64_t block_nbytes, WriteProfile* profile = nullptr);
+
+class ShardSnapshot {
+ public:
+  // Uses the process's cached host chunks (allocated on first use); the items may be dropped after this returns.
+  ShardSnapshot(const std::vector<WriteItem>& items, int64_t file_nbytes);
+  ~ShardSnapshot();
+  ShardSnapshot(const ShardSnapshot&) = delete;
+  ShardSnapshot& operator=(const ShardSnapshot&) = delete;
+  ShardFileInfo write(const std::string& path, const std::string& name, int64_t block_nbytes,
+                      WriteProfile* profile = nullptr);
+  int64_t nbytes() const { return file_nbytes_; }
+
+ private:
+  int64_t file_nbytes_;
+  std::unique_ptr<ImageFiller> filler_;
+  std::vector<HostChunk*> chunks_;
+};
 
 }  // namespace bmt::checkpoint

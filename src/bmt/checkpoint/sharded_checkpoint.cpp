@@ -1,6 +1,7 @@
 #include "bmt/checkpoint/sharded_checkpoint.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <mutex>
 #include <set>
 
@@ -33,6 +34,13 @@ struct SaveHandle::State {
   SaveStats stats;
   bool waited = false;
   std::string final_error;
+  ~State() {
+    if (!job) return;
+    job->finish();  // program end or a dropped handle: the write completes
+    if (!waited && !job->error().empty())
+      std::fprintf(stderr, "bmt::checkpoint: an async save to %s failed and was never waited for: %s\n",
+                   stats.dir.c_str(), job->error().c_str());
+  }
 };
 
 namespace {
@@ -51,6 +59,11 @@ SaveStats wait_state(SaveHandle::State& s) {
   s.job->finish();
   s.stats.write_s = s.job->write_s();
   s.stats.total_s = s.job->total_s();
+  const WriteProfile& p = s.job->profile();
+  s.stats.wait_data_s = p.wait_data_s;
+  s.stats.write_syscalls_s = p.write_s;
+  s.stats.crc_wait_s = p.crc_wait_s;
+  s.stats.fsync_s = p.fsync_s;
   s.waited = true;
   {
     std::lock_guard<std::mutex> lock(g_pending_mutex);
@@ -89,6 +102,11 @@ void wait_pending_save() {
     pending = g_pending;
   }
   if (pending) wait_state(*pending);
+}
+
+void release_snapshot_buffers() {
+  wait_pending_save();
+  free_host_chunks();
 }
 
 SaveHandle save(const std::string& dir_in, const TrainingState& state, const SaveOptions& options) {
@@ -157,12 +175,14 @@ SaveHandle save(const std::string& dir_in, const TrainingState& state, const Sav
   if (rank == 0) m.entries = layout.entries;
 
   auto hs = std::make_shared<SaveHandle::State>();
+  hs->stats.plan_s = seconds_since(t0);
   hs->stats.dir = dir;
   hs->stats.rank_nbytes = spec.file_nbytes;
   for (int64_t n : layout.file_nbytes) hs->stats.total_nbytes += n;
   if (options.async) {
     const auto ts = Clock::now();
-    err = detail::capture_error([&] { snapshot_to_host(spec.items); });
+    err = detail::capture_error([&] { spec.snapshot = std::make_unique<ShardSnapshot>(spec.items, spec.file_nbytes); });
+    spec.items.clear();
     hs->stats.snapshot_s = seconds_since(ts);
     slices.clear();
     hs->job = std::make_unique<detail::SaveJob>(std::move(spec));
@@ -185,6 +205,7 @@ SaveHandle save(const std::string& dir_in, const TrainingState& state, const Sav
 }
 
 LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& options) {
+  const auto t_check = Clock::now();
   wait_pending_save();
   wait_all_pending_updates();  // an update still running would overwrite the loaded values
   const Config& cfg = config();
@@ -262,6 +283,8 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
     for (const auto& e : unique) err += "\n    " + e;
   }
   detail::raise_if_any_failed(comm, err, what);
+  info.check_s = seconds_since(t_check);
+  const auto t_apply = Clock::now();
 
   // Apply: model first (optimizers may derive state from parameters), then components, then RNG.
   err = detail::capture_error([&] {
@@ -283,6 +306,8 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
     }
   });
   detail::raise_if_any_failed(comm, err, what);
+  info.apply_s = seconds_since(t_apply);
+  info.bytes_read = reader->bytes_read();
   state.step = info.step;
   state.user_metadata = info.user_metadata;
   return info;

@@ -10,9 +10,13 @@
 //  2. rank 0 repairs/cleans leftovers of interrupted saves and creates "<dir>.tmp-<random>";
 //  3. every rank writes its shard file in parallel; rank 0 writes the metadata last and atomically replaces
 //     "<dir>" (atomic_dir.h). A crash at any point leaves the previous or the new checkpoint loadable.
-//  Async mode: step 3 runs on a background thread from a host snapshot of this rank's pieces; save() returns after
-//  the snapshot, and SaveStats::stall_s reports how long the caller was blocked. Only one save is in flight: a new
-//  save (or wait_pending_save) first waits for the previous one. SaveHandle::wait() is collective.
+//  Async mode: step 3 runs on a background thread from a host snapshot of this rank's pieces (shard_writer_internal.h:
+//  device tensors are copied into pinned host chunks on a side stream and the compute stream waits for those copies,
+//  so save() returns without waiting for them; host tensors are memcpy'd before it returns; the chunks are kept for
+//  the next save, release_snapshot_buffers() frees them). SaveStats::stall_s reports how long the caller was
+//  blocked. Only one save is in flight: a new save, wait_pending_save, load, or the handle's destruction at program
+//  end first waits for the previous one; its error is thrown there (naming the file). SaveHandle::wait() is
+//  collective.
 //
 // load (collective): every rank opens the checkpoint (CheckpointReader), checks the model (missing / unexpected
 // keys, shape and dtype mismatches) and each component's state (unknown parameters, shapes) and reports every
@@ -63,8 +67,13 @@ struct SaveOptions {
 
 struct SaveStats {
   double stall_s = 0;     // time save() blocked the caller (includes waiting for a previous async save)
-  double snapshot_s = 0;  // part of the stall spent copying this rank's pieces to host memory (async)
+  double snapshot_s = 0;  // part of the stall spent on the host snapshot (async: host pieces copied, device
+                          // copies enqueued on a side stream that the compute stream then waits for)
   double write_s = 0;     // writing + fsync of this rank's shard file
+  // Profile of this rank's save (seconds): collecting the slices and planning (collectives), then the shard
+  // write's thread: waiting for staged bytes (device → host copies, memcpy), write syscalls, waiting for the
+  // checksum workers, the final fsync + close.
+  double plan_s = 0, wait_data_s = 0, write_syscalls_s = 0, crc_wait_s = 0, fsync_s = 0;
   double total_s = 0;     // save() entry to the end of this rank's part (rank 0: to the commit)
   int64_t rank_nbytes = 0;   // size of this rank's shard file
   int64_t total_nbytes = 0;  // all shard files
@@ -98,6 +107,9 @@ class SaveHandle {
 SaveHandle save(const std::string& dir, const TrainingState& state, const SaveOptions& options = {});
 // Collective: waits for the async save in flight, if any.
 void wait_pending_save();
+// Frees the host buffers (pinned with CUDA) that saves keep for reuse: an async save holds its whole shard file
+// there. Waits for a pending save first (collective then).
+void release_snapshot_buffers();
 
 struct LoadOptions {
   bool strict = true;  // missing or unexpected model keys are errors
@@ -111,6 +123,10 @@ struct LoadInfo {
   std::map<std::string, std::string> user_metadata;
   std::vector<std::string> missing_keys, unexpected_keys;  // model keys (strict = false)
   bool rng_restored = false;
+  // Profile: checking the checkpoint against the state and reading the components' state to the host (check_s),
+  // then reading the model's ranges and copying everything into place (apply_s); bytes read from shard files.
+  double check_s = 0, apply_s = 0;
+  int64_t bytes_read = 0;
 };
 
 // Fills the model, every component, state.step and state.user_metadata.

@@ -28,6 +28,8 @@ class ManagerState final : public ShardedStateProvider {
     return out;
   }
   optim::StateDict state_dict() const override { return m_.state_dict(); }
+  optim::StateDict state_views() const override { return m_.state_dict_views(); }
+  bool views_alias_live_state() const override { return true; }
   void load_state_dict(const optim::StateDict& sd) override { m_.load_state_dict(sd); }
 
  private:
@@ -39,6 +41,8 @@ class OptimizerState final : public ShardedStateProvider {
   explicit OptimizerState(optim::BmtOptimizer& o) : o_(o) {}
   std::vector<ParamSpace> param_spaces() const override { return {{"", o_.flat_params(), false}}; }
   optim::StateDict state_dict() const override { return o_.state_dict(); }
+  optim::StateDict state_views() const override { return o_.state_dict_views(); }
+  bool views_alias_live_state() const override { return true; }
   void load_state_dict(const optim::StateDict& sd) override { o_.load_state_dict(sd); }
 
  private:
@@ -85,9 +89,10 @@ const ShardedStateProvider::ParamSpace* space_of(const std::vector<ShardedStateP
   return best;
 }
 
-LocalSlice whole(const std::string& key, const at::Tensor& t, std::map<std::string, std::string> attrs) {
+LocalSlice whole(const std::string& key, const at::Tensor& t, std::map<std::string, std::string> attrs,
+                 bool private_copy) {
   LocalSlice s;
-  s.private_copy = true;  // provider state dicts hold fresh copies (see ShardedStateProvider::state_dict)
+  s.private_copy = private_copy;  // a fresh copy (state_dict), unless the provider returned live views
   s.data = t.detach();
   s.decl.key = key;
   s.decl.dtype = dtype_name(t.scalar_type());
@@ -110,19 +115,20 @@ std::vector<LocalSlice> provider_slices(const std::string& C, const ShardedState
                                         const std::unordered_map<const void*, std::string>& names, int rank) {
   const auto spaces = provider.param_spaces();
   std::vector<LocalSlice> out;
-  for (const auto& kv : provider.state_dict()) {
+  const bool fresh = !provider.views_alias_live_state();
+  for (const auto& kv : provider.state_views()) {
     const std::string& key = kv.first;
     const at::Tensor& t = kv.second;
     const auto* space = space_of(spaces, key);
     if (space && space->per_rank) {
       out.push_back(whole(C + "/rank/" + std::to_string(rank) + "/" + key, t,
-                          {{"role", "rank"}, {"component", C}, {"rank", std::to_string(rank)}, {"sdkey", key}}));
+                          {{"role", "rank"}, {"component", C}, {"rank", std::to_string(rank)}, {"sdkey", key}}, fresh));
       continue;
     }
     size_t i = 0;
     std::string name;
     if (!space || !parse_indexed(key.substr(space->prefix.size()), i, name) || i >= space->params.size()) {
-      out.push_back(whole(C + "/global/" + key, t, {{"role", "global"}, {"component", C}, {"sdkey", key}}));
+      out.push_back(whole(C + "/global/" + key, t, {{"role", "global"}, {"component", C}, {"sdkey", key}}, fresh));
       continue;
     }
     if (name == "#shape") continue;  // regenerated on load
@@ -136,7 +142,7 @@ std::vector<LocalSlice> provider_slices(const std::string& C, const ShardedState
     if (t.sizes() == p.sizes()) {
       ParamRange r = param_range(p, pname);
       LocalSlice s;
-      s.private_copy = true;
+      s.private_copy = fresh;
       s.data = t.detach();
       s.decl.key = C + "/shard/" + space->prefix + pname + "/" + name;
       s.decl.dtype = dtype_name(t.scalar_type());
@@ -149,7 +155,7 @@ std::vector<LocalSlice> provider_slices(const std::string& C, const ShardedState
       out.push_back(std::move(s));
     } else {
       attrs["role"] = "param";
-      out.push_back(whole(C + "/param/" + space->prefix + pname + "/" + name, t, std::move(attrs)));
+      out.push_back(whole(C + "/param/" + space->prefix + pname + "/" + name, t, std::move(attrs), fresh));
     }
   }
   return out;

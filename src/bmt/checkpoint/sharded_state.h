@@ -45,6 +45,11 @@ class ShardedStateProvider {
   virtual std::vector<ParamSpace> param_spaces() const = 0;
   // Must return fresh copies (host or device), never live state: async saves keep host tensors as their snapshot.
   virtual optim::StateDict state_dict() const = 0;
+  // What a save writes: by default state_dict(). A provider may return views of its live state instead (no
+  // copy; views_alias_live_state() true): a sync save writes them directly, an async save copies them into its
+  // host snapshot before returning.
+  virtual optim::StateDict state_views() const { return state_dict(); }
+  virtual bool views_alias_live_state() const { return false; }
   virtual void load_state_dict(const optim::StateDict& sd) = 0;
 };
 

@@ -142,8 +142,12 @@ core::kernels::AdamTensorArgs AdamBase::kernel_args(void* param_data, const at::
   return a;
 }
 
-StateDict AdamBase::state_dict() const {
+StateDict AdamBase::state_dict() const { return state_dict_impl(/*copy=*/true); }
+StateDict AdamBase::state_dict_views() const { return state_dict_impl(/*copy=*/false); }
+
+StateDict AdamBase::state_dict_impl(bool copy) const {
   wait_for_running_updates();
+  auto take = [copy](const at::Tensor& t) { return copy ? cpu_copy(t) : t.detach(); };
   StateDict sd;
   std::vector<at::Tensor> params = flat_params();
   sd["num_params"] = int_entry(static_cast<int64_t>(params.size()));
@@ -164,9 +168,9 @@ StateDict AdamBase::state_dict() const {
     if (s == nullptr) continue;
     std::string k = core::concat("state.", i, ".");
     sd[k + "step"] = int_entry(s->step);
-    sd[k + "exp_avg"] = cpu_copy(s->exp_avg).view(params[i].sizes());
-    sd[k + "exp_avg_sq"] = cpu_copy(s->exp_avg_sq).view(params[i].sizes());
-    if (s->master.defined()) sd[k + "master"] = cpu_copy(s->master).view(params[i].sizes());
+    sd[k + "exp_avg"] = take(s->exp_avg).view(params[i].sizes());
+    sd[k + "exp_avg_sq"] = take(s->exp_avg_sq).view(params[i].sizes());
+    if (s->master.defined()) sd[k + "master"] = take(s->master).view(params[i].sizes());
   }
   return sd;
 }

@@ -68,6 +68,7 @@ class AdamBase : public BmtOptimizer {
   AdamBase(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, const AdamOptions& defaults);
 
   StateDict state_dict() const override;
+  StateDict state_dict_views() const override;
   void load_state_dict(const StateDict& sd) override;
 
   // The state of p, or nullptr before p's first update.
@@ -78,6 +79,7 @@ class AdamBase : public BmtOptimizer {
   void refresh_master();
 
  protected:
+  StateDict state_dict_impl(bool copy) const;
   // A fresh state for p (zeros, master = p as fp32), on the device this optimizer keeps state on.
   virtual AdamState new_state(const at::Tensor& p) const = 0;
   // Waits for updates that may still be writing the state or the parameters (AdamOffloadOptimizer); called before

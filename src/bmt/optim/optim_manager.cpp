@@ -231,7 +231,10 @@ double OptimManager::clip_grad_norm(const std::vector<at::Tensor>& params, doubl
   return total;
 }
 
-StateDict OptimManager::state_dict() const {
+StateDict OptimManager::state_dict() const { return state_dict_impl(/*views=*/false); }
+StateDict OptimManager::state_dict_views() const { return state_dict_impl(/*views=*/true); }
+
+StateDict OptimManager::state_dict_impl(bool views) const {
   StateDict sd;
   sd["loss_scale"] = scalar_entry(loss_scale_);
   sd["loss_scale_enabled"] = int_entry(loss_scale_enabled_ ? 1 : 0);
@@ -240,7 +243,7 @@ StateDict OptimManager::state_dict() const {
   for (size_t k = 0; k < optimizers_.size(); ++k) {
     std::string prefix = core::concat("optimizers.", k, ".");
     if (auto* bmt_opt = dynamic_cast<const BmtOptimizer*>(optimizers_[k].get())) {
-      put_prefixed(sd, prefix, bmt_opt->state_dict());
+      put_prefixed(sd, prefix, views ? bmt_opt->state_dict_views() : bmt_opt->state_dict());
     } else {
       torch::serialize::OutputArchive archive;
       optimizers_[k]->save(archive);

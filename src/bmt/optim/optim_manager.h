@@ -87,6 +87,8 @@ class OptimManager {
                         double eps = 1e-6);
 
   StateDict state_dict() const;
+  // state_dict() whose optimizer tensors may alias the live state (BmtOptimizer::state_dict_views).
+  StateDict state_dict_views() const;
   void load_state_dict(const StateDict& sd);
 
   double loss_scale() const { return loss_scale_; }
@@ -102,6 +104,7 @@ class OptimManager {
   const std::vector<std::shared_ptr<lr_scheduler::WarmupLRScheduler>>& lr_schedulers() const { return schedulers_; }
 
  private:
+  StateDict state_dict_impl(bool views) const;
   std::vector<at::Tensor> all_params() const;
   void set_scale(double new_scale, const char* why);
   // The active overlap's state, or nullptr.

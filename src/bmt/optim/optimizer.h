@@ -38,6 +38,9 @@ class BmtOptimizer : public torch::optim::Optimizer {
   std::vector<at::Tensor> flat_params() const;
 
   virtual StateDict state_dict() const = 0;
+  // The same entries, but tensors may alias the live state (no copy): for a caller that copies or writes them
+  // before the state changes again (checkpoint::save). Default: state_dict().
+  virtual StateDict state_dict_views() const { return state_dict(); }
   // Throws bmt::core::Error if sd belongs to a different model (parameter count or shapes differ).
   virtual void load_state_dict(const StateDict& sd) = 0;
 

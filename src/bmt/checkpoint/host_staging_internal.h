@@ -1,0 +1,74 @@
+// Host staging for shard writes: the bytes of a rank's shard file ("the file image") in fixed-size host chunks
+// (64 MiB),
+// filled from the pieces' tensors (device → pinned host on a side stream ordered by CUDA events; host tensors
+// by memcpy on the checksum workers), then written and checksummed chunk by chunk.
+//
+// The chunks are kept by the process and reused by the next save (pinned allocation runs at a few GB/s, more
+// than a save's stall budget): a sync save uses kSyncRingChunks of them as a ring, an async save one per chunk of
+// its file (its snapshot) until free_host_chunks() (release_snapshot_buffers()). Only one save uses them at a time (saves are
+// serialised: save() waits for the previous async save).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <future>
+#include <memory>
+#include <vector>
+
+namespace bmt::checkpoint {
+
+constexpr int64_t kDefaultStageChunkNbytes = int64_t{64} << 20;
+constexpr int kSyncRingChunks = 4;
+int64_t stage_chunk_nbytes();
+// Tests: small chunks exercise the chunk boundaries (frees the cached chunks; no save may be in flight).
+void set_stage_chunk_nbytes(int64_t nbytes);
+
+struct HostChunk {
+  at::Tensor buf;  // owns the memory
+  char* data = nullptr;
+  bool pinned = false;
+};
+
+// The process's chunks [0, n), allocated on first use (pinned when `pinned`: CUDA pieces need it to copy
+// asynchronously; chunks of the other kind are replaced).
+std::vector<HostChunk*> borrow_host_chunks(int64_t n, bool pinned);
+// Frees every cached chunk (call while no save is in flight).
+void free_host_chunks();
+
+// A byte piece of the image: file bytes [file_offset, file_offset + nbytes) come from `bytes` (uint8, contiguous).
+struct ImagePiece {
+  int64_t file_offset = 0;
+  at::Tensor bytes;
+};
+
+// Fills chunk k of the image (file bytes [k*C, min((k+1)*C, file_nbytes))) into host memory: enqueues device
+// copies on a side stream and host copies + zero gaps on the checksum workers. wait(k) returns when chunk k is
+// complete. Chunks must be filled in increasing order.
+class ImageFiller {
+ public:
+  ImageFiller(std::vector<ImagePiece> pieces, int64_t file_nbytes);
+  ~ImageFiller();
+  int64_t num_chunks() const { return (file_nbytes_ + C_ - 1) / C_; }
+  int64_t chunk_offset(int64_t k) const { return k * C_; }
+  int64_t chunk_nbytes(int64_t k) const;
+  bool has_device_pieces() const { return device_index_ >= 0; }
+  void fill(int64_t k, char* dst);
+  void wait(int64_t k);
+  // Waits for the host copies of every chunk filled so far (not the device copies).
+  void wait_host_copies();
+  // The device's current stream waits for every copy enqueued so far: kernels issued later (the next training
+  // step) cannot modify the source tensors before they are copied. The host does not wait.
+  void order_current_stream_after_copies();
+
+ private:
+  struct Device;
+  std::vector<ImagePiece> pieces_;
+  std::vector<int64_t> ends_;  // file_offset + nbytes of each piece (increasing)
+  int64_t file_nbytes_;
+  int64_t C_;  // chunk size
+  int device_index_ = -1;
+  std::unique_ptr<Device> dev_;
+  std::vector<std::future<void>> host_done_;
+};
+
+}  // namespace bmt::checkpoint
