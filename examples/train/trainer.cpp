@@ -13,6 +13,7 @@
 #include "bmt/optim/adam.h"
 #include "bmt/optim/optim_manager.h"
 #include "bmt/parameter.h"
+#include "bmt/pipeline_schedule.h"
 #include "data/dataset.h"
 #include "export/hf_gpt2.h"
 #include "train/checkpoint.h"
@@ -75,9 +76,13 @@ struct Run {
 void build(Run& run) {
   const TrainArgs& args = run.args;
   const TrainSettings& s = run.s;
-  run.model = make_model(s.model, {args.zero, args.checkpointing}, s.dtype);
+  ParallelOptions parallel(args.zero, args.checkpointing);
+  parallel.pipe_schedule = bmt::parse_pipe_schedule(args.pp_schedule);
+  run.model = make_model(s.model, parallel, s.dtype);
   at::manual_seed(args.seed);
-  bmt::init_parameters(*run.model);
+  // Pipeline stages hold different parameters: values drawn per name, the same at every --pp.
+  if (run.model->pipelined()) bmt::init_parameters_by_name(*run.model, args.seed);
+  else bmt::init_parameters(*run.model);
   auto optimizer = make_optimizer(*run.model, s.lr, args.weight_decay);
   run.scheduler = std::make_shared<bmt::optim::lr_scheduler::Cosine>(optimizer, s.lr, s.warmup,
                                                                       std::max<int64_t>(s.steps, 1));
@@ -98,6 +103,9 @@ void print_header(const Run& run) {
   if (cfg.tp_size > 1)
     ranks += " = dp " + std::to_string(s.dp) + " x tp " + std::to_string(cfg.tp_size) +
              (cfg.sequence_parallel ? " (sequence parallel)" : "");
+  if (cfg.pipe_size > 1)
+    ranks += ", pp " + std::to_string(cfg.pipe_size) + " stages x " + std::to_string(cfg.num_micro_batches) + " " +
+             args.pp_schedule + " micro-batches";
   std::printf("model: %s, %.2fM parameters, %s, ZeRO-%d%s, %s on %s\ndata: %s\n", s.model.describe().c_str(),
               static_cast<double>(run.model->num_params()) / 1e6, c10::toString(s.dtype), args.zero,
               args.checkpointing ? " + checkpointing" : "", ranks.c_str(), cfg.device.str().c_str(),
@@ -127,7 +135,9 @@ void resume(Run& run) {
 
 void evaluate(Run& run, int64_t step, MetricFields& fields) {
   const double el = eval_loss(*run.model, *run.data, run.args.eval_batches, run.s.batch, run.s.seq);
-  const std::optional<double> acc = task_accuracy(*run.model, *run.data, run.s.task_rows);
+  // Task accuracy needs whole logits, which a pipeline does not produce.
+  const std::optional<double> acc =
+      run.model->pipelined() ? std::nullopt : task_accuracy(*run.model, *run.data, run.s.task_rows);
   TrainResult& r = run.result;
   if (!r.first_eval_loss) r.first_eval_loss = el, r.first_task_acc = acc;
   r.last_eval_loss = el;
@@ -164,8 +174,13 @@ void train_loop(Run& run) {
   for (int64_t step = result.start_step; step < s.stop; ++step) {
     const double t0 = now_s();
     at::Tensor tokens = run.data->train_batch(step, s.dp_rank, s.batch, s.seq).to(cfg.device);
-    at::Tensor loss = run.model->loss(tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq));
-    run.optim->backward(loss);
+    at::Tensor loss;
+    if (run.model->pipelined()) {  // forward and backward over the micro-batches, stage by stage
+      loss = run.model->pipeline_step(tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq), *run.optim);
+    } else {
+      loss = run.model->loss(tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq));
+      run.optim->backward(loss);
+    }
     const double grad_norm = args.grad_clip > 0 ? run.optim->clip_grad_norm(args.grad_clip) : 0.0;
     const double step_lr = run.scheduler->current_lr();
     const bool applied = run.optim->step();
@@ -221,6 +236,10 @@ void train_loop(Run& run) {
 
 void write_samples(Run& run) {
   const TrainArgs& args = run.args;
+  if (run.model->pipelined()) {  // generation needs whole logits
+    if (run.rank0 && args.samples > 0) std::printf("samples: skipped under pipeline parallelism (--pp)\n");
+    return;
+  }
   const Dataset& data = *run.data;
   GenerateOptions gen;
   gen.max_new_tokens = args.sample_tokens;
@@ -240,6 +259,10 @@ void write_samples(Run& run) {
 
 void export_model(Run& run) {
   if (run.args.export_hf.empty()) return;
+  if (run.model->pipelined()) {
+    if (run.rank0) std::printf("export: skipped under pipeline parallelism (--pp); export a checkpoint with bmt-ckpt\n");
+    return;
+  }
   export_hf_gpt2(*run.model, run.args.export_hf);
   if (run.rank0) std::printf("exported Hugging Face GPT-2 model to %s\n", run.args.export_hf.c_str());
 }
