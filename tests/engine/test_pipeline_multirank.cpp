@@ -9,13 +9,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <filesystem>
 #include <optional>
 #include <set>
 
 #include <torch/optim/adam.h>
 
 #include "bmt/checkpoint/checkpoint.h"
+#include "bmt/checkpoint/file_io.h"
 #include "bmt/distributed.h"
 #include "bmt/module_state.h"
 #include "bmt/optim/adam.h"
@@ -178,12 +178,12 @@ struct SharedDir {
     const int owner = bmt::testing::in_rank_process() ? getppid() : getpid();
     path = "/tmp/bmt_pipe_mr_" + std::to_string(owner);
     if (!bmt::testing::in_rank_process()) {
-      std::filesystem::remove_all(path);
-      std::filesystem::create_directories(path);
+      bmt::checkpoint::remove_tree(path);  // not std::filesystem: libtorch exports an incompatible copy
+      bmt::checkpoint::make_directory(path);
     }
   }
   ~SharedDir() {
-    if (!bmt::testing::in_rank_process() && !::testing::Test::HasFailure()) std::filesystem::remove_all(path);
+    if (!bmt::testing::in_rank_process() && !::testing::Test::HasFailure()) bmt::checkpoint::remove_tree(path);
   }
   std::string path;
 };
