@@ -26,6 +26,10 @@
 // allocator's pickled history for https://pytorch.org/memory_viz, and a per-category table at the largest sample.
 // --tp N (bmt, under bmtrun): tensor parallelism over N ranks (examples' sequence-parallel layout, vocab-parallel
 // loss); the N ranks of a tp group share one batch, so tokens per step = B·T·(world / N).
+// --pp N --micro-batches M [--pp-schedule gpipe] (bmt, gpt, under bmtrun): the layers split over N pipeline stages
+// (world = pp x dp x tp), each step 1F1B over M micro-batches of B/M sequences; tokens per step = B·T·dp. Also
+// reported: bubble = 1 - (the stage's compute time, CUDA events around its forwards and backwards) / (the
+// pipeline part of the step, forward_backward to a device sync), the mean over ranks, next to (p-1)/(m+p-1).
 // Reported: tokens/s = N·B·T / (sum of the timed step times); step_s = mean timed step; MFU = tokens/s ·
 // FLOPs/token / 989e12 (H100/H200 dense bf16 peak; null on CPU) with FLOPs/token = 6·N_matmul + 6·L·d·T, where
 // N_matmul counts every parameter except the learned position table and 6·L·d·T is the causal attention term
@@ -66,11 +70,14 @@
 #include "gpu_profile.h"
 #include "memory_report.h"
 #include "bmt/block.h"
+#include "bmt/core/error.h"
+#include "bmt/distributed.h"
 #include "bmt/init.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/optim_manager.h"
 #include "bmt/parameter.h"
+#include "bmt/pipeline.h"
 #include "models/language_model.h"
 #include "models/presets.h"
 #include "plain_gpt.h"
@@ -130,7 +137,10 @@ double gib(double bytes) { return bytes / double(1ll << 30); }
 
 // One benchmark: how to run a step, and what to report about the model.
 struct Runner {
-  int data_parallel = 1;  // ranks with distinct batches (world / tp)
+  int data_parallel = 1;  // ranks with distinct batches (world / (tp * pp))
+  int pp = 1, micro_batches = 1;
+  std::function<double()> bubble = [] { return NAN; };  // measured over the timed steps (pipeline only)
+  std::function<void()> reset_bubble = [] {};
   std::function<at::Tensor(const at::Tensor& tokens)> step;  // one optimizer step; returns the detached loss
   c10::Device device{c10::kCPU};
   int64_t num_params = 0, num_matmul_params = 0;
@@ -160,27 +170,41 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   init.seed = a.seed;
   init.zero_level = a.zero;
   init.tp_size = a.tp;
+  init.pipe_size = a.pp;
+  init.num_micro_batches = a.micro_batches > 0 ? a.micro_batches : 2 * a.pp;
   init.quiet = true;
   bmt::init_distributed(init);
   const auto& cfg = bmt::config();
   // BMT_BENCH_DTYPE=bf16|fp32 overrides the default (bf16 on GPUs, fp32 on CPUs), e.g. to run the bf16 path on CPU.
   at::ScalarType dtype = examples::default_param_dtype();
   if (const char* d = std::getenv("BMT_BENCH_DTYPE")) dtype = std::string(d) == "bf16" ? at::kBFloat16 : at::kFloat;
-  std::shared_ptr<examples::LanguageModel> model =
-      examples::make_model(shape.model, {a.zero, a.checkpointing}, dtype);
+  examples::ParallelOptions parallel(a.zero, a.checkpointing);
+  parallel.pipe_schedule = bmt::parse_pipe_schedule(a.pp_schedule);
+  std::shared_ptr<examples::LanguageModel> model = examples::make_model(shape.model, parallel, dtype);
   at::manual_seed(a.seed);
-  bmt::init_parameters(*model);
+  if (model->pipelined()) bmt::init_parameters_by_name(*model, a.seed);
+  else bmt::init_parameters(*model);
 
   Runner r;
   r.device = cfg.device;
   r.world = cfg.world_size;
   r.data_parallel = cfg.tp_zero_size;
   r.rank = cfg.rank;
+  r.pp = cfg.pipe_size;
+  r.micro_batches = cfg.num_micro_batches;
   for (const auto& item : model->named_parameters()) {
+    // A pipeline's last stage holds a tied copy of wte: counted on the first stage only.
+    if (model->pipelined() && item.key() == "wte.weight" && !cfg.topology.is_first_stage()) continue;
     int64_t n = 1;  // the logical (unsplit) size: tensor-parallel pieces count as whole parameters
     for (int64_t d : bmt::meta_of(item.value()).logical_shape()) n *= d;
     r.num_params += n;
     if (item.key() != "wpe.weight") r.num_matmul_params += n;
+  }
+  if (model->pipelined()) {  // every stage's parameters
+    at::Tensor n = at::tensor({r.num_params, r.num_matmul_params}, at::kLong).to(cfg.device);
+    n = bmt::distributed::raw_all_reduce(n, bmt::core::ReduceOp::kSum, *cfg.pipe_comm).cpu();
+    r.num_params = n[0].item<int64_t>();
+    r.num_matmul_params = n[1].item<int64_t>();
   }
   r.precision = std::string(dtype == at::kBFloat16 ? "bf16" : "fp32") + " params, fp32 grads/master";
 
@@ -259,6 +283,34 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   else r.optimizer += " + OptimManager";
 
   const bool raw = a.raw_step;
+  if (model->pipelined()) {
+    auto pipe = std::dynamic_pointer_cast<bmt::PipelineTransformerBlockList>(model->named_children()["layers"]);
+    BMT_CHECK(pipe != nullptr, "bench: a pipelined model without a PipelineTransformerBlockList named layers");
+    pipe->set_measure_busy(true);
+    auto busy_s = std::make_shared<double>(0), pipe_s = std::make_shared<double>(0);
+    r.reset_bubble = [busy_s, pipe_s] { *busy_s = *pipe_s = 0; };
+    r.bubble = [busy_s, pipe_s] {
+      // The mean over ranks of 1 - busy / duration.
+      const double mine = *pipe_s > 0 ? 1.0 - *busy_s / *pipe_s : 0.0;
+      at::Tensor t = at::tensor({mine}, at::kDouble).to(bmt::config().device);
+      return bmt::distributed::raw_all_reduce(t, bmt::core::ReduceOp::kAvg, *bmt::config().comm).item<double>();
+    };
+    r.step = [model, manager, pipe, busy_s, pipe_s](const at::Tensor& tokens) {
+      const int64_t T = tokens.size(1) - 1;
+      const bool cuda = bmt::config().device.is_cuda();
+      if (cuda) torch::cuda::synchronize();
+      const double t0 = now_s();
+      at::Tensor loss = model->pipeline_step(tokens.narrow(1, 0, T), tokens.narrow(1, 1, T), *manager);
+      if (cuda) torch::cuda::synchronize();
+      *pipe_s += now_s() - t0;
+      *busy_s += pipe->last_busy_seconds();
+      manager->step();
+      manager->zero_grad();
+      return loss.detach();
+    };
+    r.finish = [] { bmt::finalize(); };
+    return r;
+  }
   r.step = [model, optimizer, manager, raw](const at::Tensor& tokens) {
     const int64_t T = tokens.size(1) - 1;
     // model->loss: the vocab-parallel fused cross-entropy under tensor parallelism (no full logits).
@@ -372,6 +424,8 @@ int run(const Args& a) {
   std::string config = a.preset + " seq" + std::to_string(T) + " batch" + std::to_string(B);
   if (a.framework == "bmt" && a.zero != 3) config += " zero" + std::to_string(a.zero);
   if (a.tp > 1) config += " tp" + std::to_string(a.tp);
+  if (r.pp > 1) config += " pp" + std::to_string(r.pp) + " m" + std::to_string(r.micro_batches) +
+                          (a.pp_schedule == "gpipe" ? " gpipe" : "");
   if (a.checkpointing) config += " ckpt";
   if (a.step_in_backward) config += " step-in-backward";
   if (a.offload) {
@@ -406,6 +460,7 @@ int run(const Args& a) {
   }
   const double t_warmup = now_s() - t_warm0;
   std::vector<double> times;
+  r.reset_bubble();
   for (int64_t i = 0; i < a.steps; ++i) {
     const double t0 = now_s();
     losses.push_back(r.step(batches[static_cast<size_t>((a.warmup + i) % distinct)]));
@@ -419,6 +474,8 @@ int run(const Args& a) {
     if (grad_hook >= 0) bmt::remove_grad_ready_hook(grad_hook);
   }
   if (recording) bench::write_memory_snapshot(a.memory_snapshot);
+  const double bubble = r.bubble();
+  const double bubble_theory = static_cast<double>(r.pp - 1) / static_cast<double>(r.micro_batches + r.pp - 1);
   std::string profile_json = "null";
   if (a.profile) {
     // After the timed steps, so the profiler's overhead never touches the figures above.
@@ -448,6 +505,9 @@ int run(const Args& a) {
               static_cast<long>(a.warmup), t_warmup, loss_first, loss_last);
   const double early_per_step = static_cast<double>(early_started) / static_cast<double>(a.warmup + a.steps);
   if (a.offload) std::printf("; %.1f Blocks per step updated during the backward", early_per_step);
+  if (r.pp > 1)
+    std::printf("; pipeline bubble %.1f%% measured (mean over ranks), %.1f%% = (p-1)/(m+p-1) theoretical",
+                100.0 * bubble, 100.0 * bubble_theory);
   std::printf("\nlosses:");
   for (const at::Tensor& l : losses) std::printf(" %.4f", l.item<double>());
   // A skipped step (inf/NaN gradient) leaves the parameters as they were: say so next to the losses.
@@ -483,6 +543,10 @@ int run(const Args& a) {
       << ",\"profile\":" << profile_json << ",\"offload_gpu_blocks\":" << a.offload_gpu_blocks << ",\"offload_grad_bf16\":" << (a.offload_grad_bf16 ? "true" : "false")
       << ",\"offload_async\":" << (a.offload_async ? "true" : "false")
       << ",\"step_in_backward\":" << (a.step_in_backward ? "true" : "false")
+      << ",\"pp\":" << r.pp
+      << ",\"micro_batches\":" << r.micro_batches << ",\"pp_schedule\":" << json_str(a.pp_schedule)
+      << ",\"bubble\":" << json_num(r.pp > 1 ? bubble : NAN, 4)
+      << ",\"bubble_theory\":" << json_num(r.pp > 1 ? bubble_theory : NAN, 4)
       << "}";
     std::ofstream out(a.json_path, std::ios::app);
     if (!out) throw std::runtime_error("cannot open --json file " + a.json_path);

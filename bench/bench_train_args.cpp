@@ -27,7 +27,9 @@ const char* kUsage =
     "                       [--memory-snapshot PATH (CUDA allocator history, for pytorch.org/memory_viz)]\n"
     "                       [--memory-breakdown (GPU bytes by category at the largest of the sampled moments)]\n"
     "                       [--force (skip the host memory check)]\n"
-    "                       [--seed S] [--tp N (bmt: tensor parallelism; run under bmtrun with N | world)]\n";
+    "                       [--seed S] [--tp N (bmt: tensor parallelism; run under bmtrun with N | world)]\n"
+    "                       [--pp N --micro-batches M --pp-schedule 1f1b|gpipe (bmt, gpt: pipeline stages;\n"
+    "                        reports the measured bubble and (p-1)/(m+p-1))]\n";
 
 }  // namespace
 
@@ -61,6 +63,9 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--warmup") a.warmup = to_int(f, need(i));
     else if (f == "--zero") a.zero = static_cast<int>(to_int(f, need(i)));
     else if (f == "--tp") a.tp = static_cast<int>(to_int(f, need(i)));
+    else if (f == "--pp") a.pp = static_cast<int>(to_int(f, need(i)));
+    else if (f == "--micro-batches") a.micro_batches = static_cast<int>(to_int(f, need(i)));
+    else if (f == "--pp-schedule") a.pp_schedule = need(i);
     else if (f == "--json") a.json_path = need(i);
     else if (f == "--memory-snapshot") a.memory_snapshot = need(i);
     else if (f == "--memory-breakdown") a.memory_breakdown = true;
@@ -99,6 +104,10 @@ Args parse_args(int argc, char** argv) {
   if ((a.offload_grad_bf16 || a.offload_async) && !a.offload)
     throw std::invalid_argument("--offload-grad-bf16 and --offload-async need --offload");
   if (a.tp < 1 || (a.tp > 1 && a.framework != "bmt")) throw std::invalid_argument("--tp N (>= 1) is for --framework bmt");
+  if (a.pp < 1 || (a.pp > 1 && a.framework != "bmt")) throw std::invalid_argument("--pp N (>= 1) is for --framework bmt");
+  if (a.micro_batches < 0) throw std::invalid_argument("--micro-batches must be >= 1");
+  if (a.pp_schedule != "1f1b" && a.pp_schedule != "gpipe") throw std::invalid_argument("--pp-schedule must be 1f1b or gpipe");
+  if (a.pp > 1 && (a.raw_step || a.offload)) throw std::invalid_argument("--pp needs the OptimManager without offload");
   if (a.steps < 1 || a.warmup < 0) throw std::invalid_argument("--steps must be >= 1 and --warmup >= 0");
   if (a.seq < 0 || a.batch < 0) throw std::invalid_argument("--seq and --batch must be positive");
   if (a.device != "auto" && a.device != "cpu" && a.device != "cuda")

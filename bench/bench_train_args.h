@@ -17,6 +17,9 @@ struct Args {
   bool checkpointing = false, offload = false, raw_step = false, force = false, no_overlap = false;
   int zero = 3;
   int tp = 1;
+  int pp = 1;             // --pp N: pipeline stages (gpt)
+  int micro_batches = 0;  // --micro-batches M (0: 2 x pp); B must be a multiple of M
+  std::string pp_schedule = "1f1b";  // --pp-schedule 1f1b|gpipe
   bool offload_blocks_only = false;  // --offload-blocks: CPU Adam for Block parameters, GPU Adam for the rest
   int64_t offload_gpu_blocks = 0;    // --offload-gpu-blocks K: also the first K Blocks keep GPU Adam
   bool offload_grad_bf16 = false;    // --offload-grad-bf16: gradients cross the bus in bf16

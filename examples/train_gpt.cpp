@@ -55,6 +55,8 @@ int main(int argc, char** argv) {
     init.seed = args.seed;
     init.zero_level = args.zero;
     init.tp_size = args.tp;  // sequence_parallel stays true: the models' layout (models/gpt.h)
+    init.pipe_size = args.pp;
+    init.num_micro_batches = args.micro_batches > 0 ? args.micro_batches : 2 * args.pp;
     bmt::init_distributed(init);
     examples::run_training(args);
     bmt::finalize();

@@ -3,6 +3,8 @@
 #include "bmt/block.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
+#include "bmt/parameter.h"
+#include "bmt/pipeline.h"
 #include "models/attention.h"
 
 namespace examples {
@@ -60,23 +62,48 @@ std::vector<at::Tensor> GptLayerImpl::forward(const std::vector<at::Tensor>& in)
 Gpt::Gpt(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarType dtype) : config_(config) {
   config_.validate();
   bmt::nn::TpBuilder tp(plan_for(parallel, gpt_tp_plan(bmt::config().sequence_parallel)));
-  wte = tp.root().embedding(*this, "wte", config_.vocab_size, config_.dim, dtype);
-  wpe = register_module("wpe", bmt::nn::Embedding(config_.max_seq_len, config_.dim, dtype));
+  // Pipeline stages hold only their part: wte and wpe on the first, ln_f and a tied copy of wte on the last.
+  const bmt::Topology& topo = bmt::config().topology;
+  const bool pipelined = topo.pipe_size > 1;
+  const bool first = !pipelined || topo.is_first_stage(), last = !pipelined || topo.is_last_stage();
+  if (first || last) wte = tp.root().embedding(*this, "wte", config_.vocab_size, config_.dim, dtype);
+  if (first) wpe = register_module("wpe", bmt::nn::Embedding(config_.max_seq_len, config_.dim, dtype));
   bmt::BlockOptions block_options;
   block_options.zero_level = parallel.zero_level;
   block_options.use_checkpoint = parallel.checkpointing;
-  std::vector<std::shared_ptr<bmt::Block>> blocks;
-  for (int64_t i = 0; i < config_.num_layers; ++i) {
+  auto make_layer = [&](int64_t i) {
     bmt::nn::TpScope scope = tp.scope("layers." + std::to_string(i));
     GptLayer layer(config_, dtype, scope);
     scope.finish(*layer);  // LayerNorms and row-parallel biases replicated, before the Block packs them
-    blocks.push_back(bmt::make_block(layer.ptr(), block_options));
+    return bmt::make_block(layer.ptr(), block_options);
+  };
+  if (pipelined) {
+    bmt::PipelineOptions po;
+    po.schedule = parallel.pipe_schedule;
+    pipe_ = register_module("layers", std::make_shared<bmt::PipelineTransformerBlockList>(config_.num_layers,
+                                                                                          make_layer, po));
+  } else {
+    std::vector<std::shared_ptr<bmt::Block>> blocks;
+    for (int64_t i = 0; i < config_.num_layers; ++i) blocks.push_back(make_layer(i));
+    layers = register_module("layers", std::make_shared<bmt::TransformerBlockList>(blocks));
   }
-  layers = register_module("layers", std::make_shared<bmt::TransformerBlockList>(blocks));
-  ln_f = register_module("ln_f", bmt::nn::LayerNorm(config_.dim, config_.norm_eps, dtype));
-  tp.finish(*this);
-  set_vocab_layout(tp, "wte", wte.vocab_parallel(), "wte", wte.vocab_parallel());  // tied head
+  if (last) ln_f = register_module("ln_f", bmt::nn::LayerNorm(config_.dim, config_.norm_eps, dtype));
+  if (pipelined) {
+    tp.root().finish(*this);  // plan entries of other stages' modules match nothing here
+    if (first || last) pipe_->tie_first_last({wte.weight()});
+  } else {
+    tp.finish(*this);
+  }
+  if (first || last) set_vocab_layout(tp, "wte", wte.vocab_parallel(), "wte", wte.vocab_parallel());  // tied head
 }
+
+at::Tensor Gpt::embed_rows(const TokenRows& rows) {
+  BMT_CHECK(rows.seq <= config_.max_seq_len, "Gpt: sequence of ", rows.seq, " tokens exceeds max_seq_len ",
+            config_.max_seq_len);
+  return wte.forward(rows.ids) + bmt::gathered(wpe->weight).index_select(0, rows.positions);
+}
+
+at::Tensor Gpt::head_rows(const at::Tensor& hidden, const TokenRows&) { return wte.projection(ln_f->forward(hidden)); }
 
 at::Tensor Gpt::logit_rows(const TokenRows& rows) {
   BMT_CHECK(rows.seq <= config_.max_seq_len, "Gpt: sequence of ", rows.seq, " tokens exceeds max_seq_len ",

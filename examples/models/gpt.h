@@ -6,6 +6,9 @@
 //   logits = ln_f(h) · wteᵀ           (tied output projection; wte gathered once per forward)
 // Biases on; weights normal(0, 0.02), biases 0, LayerNorm weight 1 / bias 0, eps 1e-5. Linear weights are stored
 // (out, in) like torch (Hugging Face's Conv1D stores (in, out): export/hf_gpt2.cpp transposes).
+// Pipeline parallelism (pipe_size > 1): stage 0 holds wte and wpe, the last stage ln_f and a copy of wte for the
+// tied projection (gradients summed over the two copies: PipelineTransformerBlockList::tie_first_last); keys are
+// unchanged (wte.weight is saved once).
 // State-dict keys: wte.weight, wpe.weight, layers.<i>.{ln_1,attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj}.*,
 // ln_f.{weight,bias}.
 //
@@ -79,6 +82,8 @@ class Gpt : public LanguageModel {
 
  protected:
   at::Tensor logit_rows(const TokenRows& rows) override;
+  at::Tensor embed_rows(const TokenRows& rows) override;
+  at::Tensor head_rows(const at::Tensor& hidden, const TokenRows& rows) override;
 
  private:
   ModelConfig config_;

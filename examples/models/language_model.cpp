@@ -95,6 +95,8 @@ at::Tensor batch_to_rows(const at::Tensor& x, const at::Tensor& shape) {
 }
 
 at::Tensor LanguageModel::forward(const at::Tensor& ids) {
+  BMT_CHECK(!pipelined(), "model: forward() (whole logits) is not available with pipeline parallelism (pipe_size ",
+            bmt::config().pipe_size, "): train with pipeline_step and evaluate with loss(), or run at pipe_size 1");
   TokenRows rows = token_rows(ids);
   at::Tensor logits = logit_rows(rows);
   return rows_to_batch(logits, rows.shape);
@@ -103,22 +105,26 @@ at::Tensor LanguageModel::forward(const at::Tensor& ids) {
 at::Tensor LanguageModel::loss(const at::Tensor& ids, const at::Tensor& targets) {
   BMT_CHECK(targets.sizes() == ids.sizes(), "model: targets of shape ", targets.sizes(), " for ids of shape ",
             ids.sizes());
+  if (pipelined()) return pipeline_eval_loss(ids, targets);
+  TokenRows rows = token_rows(ids);
+  return rows_loss(logit_rows(rows), rows, targets);
+}
+
+at::Tensor LanguageModel::rows_loss(const at::Tensor& logit_rows_out, const TokenRows& rows, const at::Tensor& targets) {
   bmt::loss::FusedCrossEntropyOptions o;
   if (!vocab_parallel_logits_) {
     // The fused kernel keeps only the parameter-dtype logits for the backward and writes the gradient over them;
     // the unfused fp32 path (lm_loss) holds several fp32 copies of the (B·T, V) logits at the memory peak.
     o.inplace = true;
-    at::Tensor logits = forward(ids);
+    at::Tensor logits = rows_to_batch(logit_rows_out, rows.shape);
     return bmt::loss::fused_cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}).to(at::kLong),
                                           o);
   }
-  TokenRows rows = token_rows(ids);
-  at::Tensor logits = logit_rows(rows);
   at::Tensor t = targets.reshape({-1}).to(at::kLong);
   if (rows.padded_rows > rows.rows)
     t = at::cat({t, at::full({rows.padded_rows - rows.rows}, o.ignore_index, t.options())});
   o.parallel = true;
-  return bmt::loss::fused_cross_entropy(logits, t, o);
+  return bmt::loss::fused_cross_entropy(logit_rows_out, t, o);
 }
 
 at::Tensor LanguageModel::argmax_vocab(const at::Tensor& logits) {

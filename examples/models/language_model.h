@@ -20,6 +20,14 @@
 #include <string>
 
 #include "bmt/nn/planned_layers.h"
+#include "bmt/pipeline_schedule.h"
+
+namespace bmt {
+class PipelineTransformerBlockList;
+namespace optim {
+class OptimManager;
+}
+}  // namespace bmt
 
 namespace examples {
 
@@ -54,6 +62,8 @@ struct ParallelOptions {
   // The tensor-parallel layout; unset: the architecture's plan (gpt_tp_plan / llama_tp_plan) with
   // bmt::config().sequence_parallel. Ignored at tp_size 1 except for its validation.
   std::optional<bmt::nn::TpPlan> tp_plan;
+  // Pipeline parallelism (bmt::config().pipe_size > 1; gpt only): the schedule of the layers' pipeline.
+  bmt::PipeSchedule pipe_schedule = bmt::PipeSchedule::k1F1B;
 };
 
 // The layout every model computes on: the batch's tokens as rows (B·T flattened, row = b·T + t). Under sequence
@@ -90,6 +100,14 @@ class LanguageModel : public torch::nn::Module {
   // forward()'s logits of a few positions (..., V / tp) -> (..., V): all-gathered over tp (identity when whole).
   at::Tensor full_vocab_logits(const at::Tensor& logits);
 
+  // Pipeline parallelism (bmt::config().pipe_size > 1, models/pipeline_lm.cpp): the layers are a
+  // bmt::PipelineTransformerBlockList ("layers"); stage 0 holds the embeddings, the last stage the final norm and
+  // the head (gpt: a tied copy of wte). One training step: forward and backward of ids/targets (B, T) split
+  // into the pipeline's micro-batches along B, the loss scaled by `optim`; returns the mean loss on every stage.
+  // loss() without grad (evaluation) runs the forward through the pipeline; forward() is not available.
+  bool pipelined() const { return pipe_ != nullptr; }
+  at::Tensor pipeline_step(const at::Tensor& ids, const at::Tensor& targets, bmt::optim::OptimManager& optim);
+
   // Total parameters (full, unsharded) and the parameters whose matmuls run per token (all but positions).
   int64_t num_params();
   // Training FLOPs per token at sequence length seq: 6·N_matmul + 12·L·d·seq (attention scores and mixing).
@@ -98,6 +116,16 @@ class LanguageModel : public torch::nn::Module {
  protected:
   // The logits of every (padded) row, (padded_rows, vocab), or this rank's vocabulary slice (vocab / tp).
   virtual at::Tensor logit_rows(const TokenRows& rows) = 0;
+  // Pipelined models: the hidden rows entering layer 0 (first stage) and the logit rows from the last layer's
+  // output (last stage); logit_rows(rows) == head_rows(layers(embed_rows(rows)), rows).
+  virtual at::Tensor embed_rows(const TokenRows& rows);
+  virtual at::Tensor head_rows(const at::Tensor& hidden, const TokenRows& rows);
+  // The loss of logit_rows' output (both vocabulary layouts).
+  at::Tensor rows_loss(const at::Tensor& logits, const TokenRows& rows, const at::Tensor& targets);
+  // The micro-batch callbacks of a pipeline step over ids/targets.
+  struct PipelineBatch;
+  at::Tensor pipeline_eval_loss(const at::Tensor& ids, const at::Tensor& targets);
+  std::shared_ptr<bmt::PipelineTransformerBlockList> pipe_;
   // The architecture's plan unless ParallelOptions::tp_plan gives one; with the default plan also checks that
   // tp_size divides the config's sizes (ModelConfig::validate_tensor_parallel).
   bmt::nn::TpPlan plan_for(const ParallelOptions& parallel, const bmt::nn::TpPlan& default_plan) const;

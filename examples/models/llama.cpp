@@ -73,6 +73,8 @@ std::vector<at::Tensor> LlamaLayerImpl::forward(const std::vector<at::Tensor>& i
 
 Llama::Llama(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarType dtype) : config_(config) {
   config_.validate();
+  BMT_CHECK(bmt::config().pipe_size == 1, "model llama: pipeline parallelism (pipe_size ", bmt::config().pipe_size,
+            ") is not implemented for llama yet; use --model gpt or --pp 1");
   bmt::nn::TpBuilder tp(plan_for(parallel, llama_tp_plan(bmt::config().sequence_parallel)));
   tok_embeddings = tp.root().embedding(*this, "tok_embeddings", config_.vocab_size, config_.dim, dtype);
   bmt::BlockOptions block_options;

@@ -24,6 +24,9 @@ std::string train_usage() {
                       the vocabulary are split over groups of N consecutive ranks (sequence-parallel layout);
                       data parallelism over the world / N groups (every rank of a group gets the same batch;
                       B counts per group). N must divide heads, kv heads and ff (the vocabulary is padded)
+  --pp N              pipeline parallelism (gpt, default 1): the layers split over N stages of consecutive
+                      ranks (world = pp x dp x tp), 1F1B over --micro-batches M micro-batches (default 2N;
+                      B must be a multiple of M); --pp-schedule 1f1b|gpipe
   --dtype D           parameter dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
   --checkpointing     recompute each block's forward in backward
   --eval-every K      held-out loss (and task accuracy) every K steps; --eval-batches N
@@ -81,6 +84,10 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       {"--weight-decay", f64(a.weight_decay)}, {"--grad-clip", f64(a.grad_clip)},
       {"--zero", [&](const std::string& n, const std::string& v) { a.zero = static_cast<int>(to_i64(n, v)); }},
       {"--tp", [&](const std::string& n, const std::string& v) { a.tp = static_cast<int>(to_i64(n, v)); }},
+      {"--pp", [&](const std::string& n, const std::string& v) { a.pp = static_cast<int>(to_i64(n, v)); }},
+      {"--micro-batches",
+       [&](const std::string& n, const std::string& v) { a.micro_batches = static_cast<int>(to_i64(n, v)); }},
+      {"--pp-schedule", str(a.pp_schedule)},
       {"--eval-every", i64(a.eval_every)}, {"--eval-batches", i64(a.eval_batches)},
       {"--task-rows", i64(a.task_rows)}, {"--save-every", i64(a.save_every)}, {"--save-dir", str(a.save_dir)},
       {"--keep-last", i64(a.keep_last)}, {"--max-skipped-steps", i64(a.max_skipped_steps)},
@@ -142,6 +149,10 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
   BMT_CHECK(a.weight_decay >= 0 && a.grad_clip >= 0, "--weight-decay and --grad-clip must be >= 0");
   BMT_CHECK(a.zero == 2 || a.zero == 3, "--zero must be 2 or 3, got ", a.zero);
   BMT_CHECK(a.tp >= 1, "--tp must be >= 1, got ", a.tp);
+  BMT_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
+  BMT_CHECK(a.micro_batches >= 0, "--micro-batches must be >= 1, got ", a.micro_batches);
+  BMT_CHECK(a.pp_schedule == "1f1b" || a.pp_schedule == "gpipe", "--pp-schedule must be 1f1b or gpipe, got '",
+            a.pp_schedule, "'");
   BMT_CHECK(a.dtype == "auto" || a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be auto, fp32 or bf16, got '",
             a.dtype, "'");
   BMT_CHECK(a.model == "gpt" || a.model == "llama", "--model must be gpt or llama, got '", a.model, "'");

@@ -21,6 +21,9 @@ struct TrainArgs {
   std::string dtype = "auto";        // parameter dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
   int zero = 3;
   int tp = 1;                        // tensor-parallel size (heads, ff and vocabulary split over tp ranks)
+  int pp = 1;                        // pipeline stages (layers split over stages; gpt only)
+  int micro_batches = 0;             // pipeline micro-batches per step (0: 2 x pp)
+  std::string pp_schedule = "1f1b";  // 1f1b | gpipe
   bool checkpointing = false;
   int64_t eval_every = -1, eval_batches = 4, task_rows = 256;
   int64_t save_every = 0;

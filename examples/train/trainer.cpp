@@ -13,6 +13,7 @@
 #include "bmt/optim/adam.h"
 #include "bmt/optim/optim_manager.h"
 #include "bmt/parameter.h"
+#include "bmt/pipeline_schedule.h"
 #include "data/dataset.h"
 #include "export/hf_import.h"
 #include "export/hf_llama.h"
@@ -76,10 +77,17 @@ struct Run {
 void build(Run& run) {
   const TrainArgs& args = run.args;
   const TrainSettings& s = run.s;
-  run.model = make_model(s.model, {args.zero, args.checkpointing}, s.dtype);
+  ParallelOptions parallel(args.zero, args.checkpointing);
+  parallel.pipe_schedule = bmt::parse_pipe_schedule(args.pp_schedule);
+  run.model = make_model(s.model, parallel, s.dtype);
   at::manual_seed(args.seed);
-  bmt::init_parameters(*run.model);  // also seeds the per-rank generators (dropout-free models: only that matters)
+  // Pipeline stages hold different parameters: values drawn per name, the same at every --pp.
+  if (run.model->pipelined()) bmt::init_parameters_by_name(*run.model, args.seed);
+  else bmt::init_parameters(*run.model);  // also seeds the per-rank generators
   if (!args.init_from.empty()) {
+    if (run.model->pipelined())
+      throw std::invalid_argument("--init-from with --pp: loading Hugging Face weights into pipeline stages is not "
+                                  "supported yet; fine-tune without --pp (dp/tp), or convert to a bmt checkpoint first");
     const auto stats = load_hf(*run.model, args.init_from);
     if (run.rank0)
       std::printf("initialised from %s (rank 0 read %.2f MB of tensor data from %ld file(s))\n", args.init_from.c_str(),
@@ -105,6 +113,9 @@ void print_header(const Run& run) {
   if (cfg.tp_size > 1)
     ranks += " = dp " + std::to_string(s.dp) + " x tp " + std::to_string(cfg.tp_size) +
              (cfg.sequence_parallel ? " (sequence parallel)" : "");
+  if (cfg.pipe_size > 1)
+    ranks += ", pp " + std::to_string(cfg.pipe_size) + " stages x " + std::to_string(cfg.num_micro_batches) + " " +
+             args.pp_schedule + " micro-batches";
   std::printf("model: %s, %.2fM parameters, %s, ZeRO-%d%s, %s on %s\ndata: %s\n", s.model.describe().c_str(),
               static_cast<double>(run.model->num_params()) / 1e6, c10::toString(s.dtype), args.zero,
               args.checkpointing ? " + checkpointing" : "", ranks.c_str(), cfg.device.str().c_str(),
@@ -134,7 +145,9 @@ void resume(Run& run) {
 
 void evaluate(Run& run, int64_t step, MetricFields& fields) {
   const double el = eval_loss(*run.model, *run.data, run.args.eval_batches, run.s.batch, run.s.seq);
-  const std::optional<double> acc = task_accuracy(*run.model, *run.data, run.s.task_rows);
+  // Task accuracy needs whole logits, which a pipeline does not produce.
+  const std::optional<double> acc =
+      run.model->pipelined() ? std::nullopt : task_accuracy(*run.model, *run.data, run.s.task_rows);
   TrainResult& r = run.result;
   if (!r.first_eval_loss) r.first_eval_loss = el, r.first_task_acc = acc;
   r.last_eval_loss = el;
@@ -171,8 +184,13 @@ void train_loop(Run& run) {
   for (int64_t step = result.start_step; step < s.stop; ++step) {
     const double t0 = now_s();
     at::Tensor tokens = run.data->train_batch(step, s.dp_rank, s.batch, s.seq).to(cfg.device);
-    at::Tensor loss = run.model->loss(tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq));
-    run.optim->backward(loss);
+    at::Tensor loss;
+    if (run.model->pipelined()) {  // forward and backward over the micro-batches, stage by stage
+      loss = run.model->pipeline_step(tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq), *run.optim);
+    } else {
+      loss = run.model->loss(tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq));
+      run.optim->backward(loss);
+    }
     MetricFields inspected;  // before clipping and the update: this step's parameters and raw gradients
     if (args.inspect_every > 0 && (step + 1) % args.inspect_every == 0)
       inspected = inspect_fields(bmt::inspect::inspect_model(*run.model));
@@ -232,6 +250,10 @@ void train_loop(Run& run) {
 
 void write_samples(Run& run) {
   const TrainArgs& args = run.args;
+  if (run.model->pipelined()) {  // generation needs whole logits
+    if (run.rank0 && args.samples > 0) std::printf("samples: skipped under pipeline parallelism (--pp)\n");
+    return;
+  }
   const Dataset& data = *run.data;
   GenerateOptions gen;
   gen.max_new_tokens = args.sample_tokens;
@@ -251,6 +273,10 @@ void write_samples(Run& run) {
 
 void export_model(Run& run) {
   if (run.args.export_hf.empty()) return;
+  if (run.model->pipelined()) {
+    if (run.rank0) std::printf("export: skipped under pipeline parallelism (--pp); export a checkpoint with bmt-ckpt\n");
+    return;
+  }
   export_hf(*run.model, run.args.export_hf);
   if (run.rank0)
     std::printf("exported Hugging Face %s model to %s\n", run.s.model.arch == "llama" ? "Llama" : "GPT-2",

@@ -21,4 +21,5 @@
 #include "bmt/parameter.h"
 #include "bmt/module_state.h"
 #include "bmt/pending_update.h"
+#include "bmt/pipeline.h"
 #include "bmt/stream_sync.h"

@@ -158,6 +158,24 @@ void GlooCommunicator::recv(void* buf, size_t numel, DType dtype, int peer, core
   BMT_GLOO_WAIT("recv", impl_->pg->recv(tensors, peer, 0));
 }
 
+void GlooCommunicator::batch_p2p(const std::vector<core::P2POp>& ops, core::StreamHandle) {
+  for (const core::P2POp& op : ops) check_peer(op.is_send ? "batch_p2p send" : "batch_p2p recv", op.peer);
+  if (ops.empty()) return;
+  std::vector<std::vector<at::Tensor>> tensors;  // alive until the waits are done
+  tensors.reserve(ops.size());
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  auto post_all_wait_last = [&] {
+    for (const core::P2POp& op : ops) {
+      tensors.push_back({wrap_bytes(op.buf, op.numel, op.dtype)});
+      works.push_back(op.is_send ? impl_->pg->send(tensors.back(), op.peer, 0)
+                                 : impl_->pg->recv(tensors.back(), op.peer, 0));
+    }
+    for (size_t i = 0; i + 1 < works.size(); ++i) works[i]->wait(timeout_);
+    return works.back();
+  };
+  BMT_GLOO_WAIT("batch_p2p", post_all_wait_last());
+}
+
 void GlooCommunicator::barrier() {
   // A one-element all-reduce (Gloo's own barrier takes no timeout on every torch version); a failure names
   // the barrier, the operation the caller asked for.

@@ -42,6 +42,8 @@ class GlooCommunicator final : public core::Communicator {
                  core::StreamHandle stream) override;
   void send(const void* buf, size_t numel, core::DType dtype, int peer, core::StreamHandle stream) override;
   void recv(void* buf, size_t numel, core::DType dtype, int peer, core::StreamHandle stream) override;
+  // Posts every op before waiting for any (Gloo's send may wait for the matching receive).
+  void batch_p2p(const std::vector<core::P2POp>& ops, core::StreamHandle stream) override;
   void barrier() override;
   std::unique_ptr<core::Communicator> split(int color, int key, const std::string& name) override;
 

@@ -76,6 +76,47 @@ std::shared_ptr<core::PeerMonitor> make_peer_monitor(const LaunchEnv& env, std::
 
 }  // namespace
 
+Topology make_topology(int rank, int world, int pipe_size, int tp_size) {
+  const std::string who = core::concat("rank ", rank, " of ", world);
+  BMT_CHECK(tp_size >= 1, who, ": tp_size ", tp_size, " must be >= 1");
+  BMT_CHECK(pipe_size >= 1, who, ": pipe_size ", pipe_size, " must be >= 1");
+  BMT_CHECK(world % (tp_size * pipe_size) == 0, who, ": world size ", world, " is not pipe_size (", pipe_size,
+            ") x tp_size (", tp_size, ") x data-parallel size: ", pipe_size, " x ", tp_size, " = ",
+            pipe_size * tp_size, " does not divide ", world, ". Choose pipe_size and tp_size whose product divides "
+            "the number of processes (or launch a multiple of ", pipe_size * tp_size, " processes)");
+  Topology t;
+  t.rank = rank;
+  t.world_size = world;
+  t.pipe_size = t.stages = pipe_size;
+  t.tp_size = tp_size;
+  t.dp_size = world / (pipe_size * tp_size);
+  t.stage_size = world / pipe_size;
+  t.stage_id = rank / t.stage_size;
+  t.pipe_idx = rank % t.stage_size;
+  t.tp_id = rank % tp_size;
+  t.tp_idx = rank / tp_size;
+  t.pp_zero_id = t.pipe_idx;
+  t.pp_zero_idx = t.stage_id;
+  t.pp_tp_zero_id = t.pipe_idx / tp_size;
+  t.pp_tp_zero_idx = t.stage_id * tp_size + t.tp_id;
+  return t;
+}
+
+namespace {
+// (my rank in the group, which group) for a group name.
+std::pair<int, int> group_position(const Topology& t, const std::string& name) {
+  if (name == "pipe") return {t.stage_id, t.pipe_idx};
+  if (name == "zero" || name == "pp_zero") return {t.pp_zero_id, t.pp_zero_idx};
+  if (name == "tp") return {t.tp_id, t.tp_idx};
+  if (name == "tp_zero" || name == "pp_tp_zero") return {t.pp_tp_zero_id, t.pp_tp_zero_idx};
+  if (name == "world") return {t.rank, 0};
+  BMT_ERROR("topology: unknown group '", name, "'; use pipe, zero (pp_zero), tp, tp_zero (pp_tp_zero) or world");
+}
+}  // namespace
+
+int Topology::get_group_rank(const std::string& name) const { return group_position(*this, name).first; }
+int Topology::get_group_id(const std::string& name) const { return group_position(*this, name).second; }
+
 Backend parse_backend(const std::string& name) {
   if (name == "auto") return Backend::kAuto;
   if (name == "nccl") return Backend::kNccl;
@@ -102,11 +143,9 @@ void init_distributed(const InitOptions& options_in) {
   const std::string who = core::concat("rank ", env.rank, " of ", world);
 
   // Topology first: a wrong one must fail before anything waits on the network.
-  BMT_CHECK(options.tp_size >= 1, who, ": tp_size ", options.tp_size, " must be >= 1");
-  BMT_CHECK(options.pipe_size >= 1, who, ": pipe_size ", options.pipe_size, " must be >= 1");
-  BMT_CHECK(world % (options.tp_size * options.pipe_size) == 0, who, ": tp_size (", options.tp_size,
-            ") * pipe_size (", options.pipe_size, ") = ", options.tp_size * options.pipe_size,
-            " does not divide the world size ", world, "; choose sizes whose product divides ", world);
+  BMT_CHECK(options.num_micro_batches >= 0, who, ": num_micro_batches ", options.num_micro_batches,
+            " must be >= 0 (0 = pipe_size)");
+  const Topology topo = make_topology(env.rank, world, options.pipe_size, options.tp_size);
   BMT_CHECK(options.zero_level == 2 || options.zero_level == 3, who, ": zero_level ", options.zero_level,
             " is not supported; use 2 (shard gradients + optimizer states) or 3 (also parameters)");
   BMT_CHECK(options.timeout.count() > 0, who, ": timeout must be positive");
@@ -146,6 +185,8 @@ void init_distributed(const InitOptions& options_in) {
   cfg.local_rank = env.local_rank;
   cfg.local_size = env.local_size;
   cfg.zero_level = options.zero_level;
+  cfg.topology = topo;
+  cfg.num_micro_batches = options.num_micro_batches > 0 ? options.num_micro_batches : options.pipe_size;
   cfg.sequence_parallel = options.sequence_parallel;
   cfg.seed = options.seed;
   cfg.backend = backend;
@@ -160,10 +201,7 @@ void init_distributed(const InitOptions& options_in) {
   cfg.peer_monitor = make_peer_monitor(env, options.timeout);
   world_comm->set_peer_monitor(cfg.peer_monitor);
   const int tp = options.tp_size, pp = options.pipe_size;
-  const int stage_size = world / pp;
-  const int stage_id = env.rank / stage_size;
-  const int pipe_idx = env.rank % stage_size;
-  const int tp_rank = env.rank % tp;
+  const int stage_id = topo.stage_id, pipe_idx = topo.pipe_idx, tp_rank = topo.tp_id;
   cfg.comm = world_comm;
   cfg.zero_comm = pp == 1 ? world_comm : std::shared_ptr<core::Communicator>(world_comm->split(stage_id, env.rank, "zero"));
   cfg.tp_comm = world_comm->split(env.rank / tp, tp_rank, "tp");
@@ -178,7 +216,9 @@ void init_distributed(const InitOptions& options_in) {
   cfg.tp_zero_size = cfg.tp_zero_comm->size();
   cfg.pipe_rank = cfg.pipe_comm->rank();
   cfg.pipe_size = cfg.pipe_comm->size();
-  BMT_ASSERT(cfg.tp_size == tp && cfg.pipe_size == pp && cfg.tp_zero_size == world / (tp * pp),
+  BMT_ASSERT(cfg.tp_size == tp && cfg.pipe_size == pp && cfg.tp_zero_size == topo.dp_size &&
+                 cfg.pipe_rank == topo.stage_id && cfg.zero_rank == topo.pp_zero_id &&
+                 cfg.tp_zero_rank == topo.pp_tp_zero_id && cfg.tp_rank == topo.tp_id,
              "group sizes disagree with the topology");
 
 #ifdef BMT_WITH_CUDA
@@ -186,6 +226,7 @@ void init_distributed(const InitOptions& options_in) {
     cfg.calc_stream = c10::cuda::getCurrentCUDAStream(device.index()).unwrap();
     cfg.load_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index()).unwrap();
     cfg.tp_comm_stream = c10::cuda::getStreamFromPool(true, device.index()).unwrap();
+    cfg.pp_comm_stream = c10::cuda::getStreamFromPool(true, device.index()).unwrap();
   }
 #endif
   cfg.initialized = true;

@@ -155,6 +155,10 @@ int replication_of(const ParamMeta& m);
 // exists at a time. Then reseeds per data-parallel rank (seed_per_data_parallel_rank). Implemented with
 // state_dict / load_state_dict in state_dict.cpp (module level).
 void init_parameters(torch::nn::Module& module);
+// As init_parameters, but each parameter draws from its own generator state, seeded from `seed` and its name
+// (FNV-1a): the values depend only on the name, not on which other parameters this rank holds, so a pipelined
+// model (each stage holds some layers) gets the same weights at every pipe_size. Then seeds per data-parallel rank.
+void init_parameters_by_name(torch::nn::Module& module, uint64_t seed);
 
 // The fp32 (or param-dtype, when fp32) gradient shard of a DistributedParameter, allocated zeroed on first use.
 at::Tensor ensure_main_grad(const at::Tensor& param);

@@ -365,5 +365,25 @@ TEST(TrainGptCli, InspectEveryWritesParameterStatisticsToTheMetrics) {
     EXPECT_TRUE(contains(lines[i], "\"inspect.layers.0.")) << lines[i];
     EXPECT_FALSE(contains(lines[i], "\"inspect.wte.weight.grad_std\": null")) << lines[i];
   }
+}
+
+// Pipeline parallelism: --pp 2 (two stages of one rank, 1F1B over 4 micro-batches) trains, evaluates through the
+// pipeline and saves; the checkpoint resumes at pp 1 on one rank (parameter names do not depend on the stage).
+TEST(TrainGptCli, PipelineTrainsAndItsCheckpointResumesWithoutPipeline) {
+  const std::string root = temp_root("pp");
+  Result pp = train(2, "--pp 2 --micro-batches 4 --steps 40 --warmup 5 --lr 3e-3 --save-every 40 --save-dir " + root);
+  ASSERT_EQ(pp.exit_code, 0) << pp.output;
+  EXPECT_TRUE(contains(pp.output, "pp 2 stages x 4 1f1b micro-batches")) << pp.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(pp.output, m, std::regex(R"(train loss ([0-9.]+) -> ([0-9.]+))"))) << pp.output;
+  EXPECT_LT(std::stod(m[2]), std::stod(m[1]) - 0.2) << pp.output;
+  ASSERT_TRUE(std::regex_search(pp.output, m, std::regex(R"(held-out loss ([0-9.]+) -> ([0-9.]+))"))) << pp.output;
+  EXPECT_LT(std::stod(m[2]), std::stod(m[1])) << pp.output;
+  Result one = train(1, "--steps 42 --warmup 5 --lr 3e-3 --resume --save-dir " + root);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_TRUE(contains(one.output, "resumed from " + root + "/step_00000040 at step 40")) << one.output;
+  Result bad = train(2, "--pp 3 --steps 1");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_TRUE(contains(bad.output, "pipe_size (3)")) << bad.output;
   remove_root(root);
 }

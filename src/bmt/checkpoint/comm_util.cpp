@@ -94,4 +94,19 @@ void recv_tensor_bytes(core::Communicator& comm, at::Tensor& dst_u8, int peer) {
   dst_u8.copy_(staging);
 }
 
+std::vector<std::string> keys_on_every_rank(core::Communicator& comm, const std::vector<std::string>& mine) {
+  if (comm.size() == 1) return mine;
+  std::string joined;
+  for (const auto& k : mine) joined += k + '\n';
+  std::map<std::string, int> count;
+  for (const std::string& s : all_gather_strings(comm, joined)) {
+    size_t a = 0;
+    for (size_t b = s.find('\n'); b != std::string::npos; a = b + 1, b = s.find('\n', a)) ++count[s.substr(a, b - a)];
+  }
+  std::vector<std::string> out;
+  for (const auto& k : mine)
+    if (count[k] == comm.size()) out.push_back(k);
+  return out;
+}
+
 }  // namespace bmt::checkpoint::detail

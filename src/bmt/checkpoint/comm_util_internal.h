@@ -17,6 +17,9 @@
 namespace bmt::checkpoint::detail {
 
 std::vector<std::string> all_gather_strings(core::Communicator& comm, const std::string& mine);
+// The keys in every rank's list (collective). With pipeline stages each rank's model holds only some keys: a file
+// key is unexpected only when no rank of the job wants it.
+std::vector<std::string> keys_on_every_rank(core::Communicator& comm, const std::vector<std::string>& mine);
 std::string broadcast_string(core::Communicator& comm, const std::string& s, int root);
 void raise_if_any_failed(core::Communicator& comm, const std::string& my_error, const std::string& what);
 

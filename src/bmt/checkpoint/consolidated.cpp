@@ -27,11 +27,8 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
-void check_topology(const char* op) {
-  const Config& cfg = config();
-  BMT_CHECK(cfg.pipe_size == 1, op, ": consolidated files need pipe_size == 1 (got ", cfg.pipe_size,
-            "); use bmt::checkpoint::save and bmt-ckpt export instead");
-}
+// Any topology: with pipeline stages each tensor is assembled from the ranks of the stage holding it.
+void check_topology(const char* op) { (void)config(); (void)op; }
 
 int64_t chunk_numel_for(const std::string& dtype, int64_t chunk_nbytes) {
   return std::max<int64_t>(1, chunk_nbytes / dtype_element_nbytes(dtype));
@@ -191,6 +188,8 @@ LoadResult load(torch::nn::Module& model, const std::string& path, bool strict, 
   }
   for (const SliceDecl& f : file_index)
     if (!target_of.count(f.key)) result.unexpected_keys.push_back(f.key);
+  // Pipeline stages hold different layers: a key is unexpected only when no rank wants it.
+  if (config().pipe_size > 1) result.unexpected_keys = checkpoint::detail::keys_on_every_rank(comm, result.unexpected_keys);
   std::string err;
   if (!mismatched.empty() || (strict && (!result.missing_keys.empty() || !result.unexpected_keys.empty()))) {
     err = "the file does not match the model:";

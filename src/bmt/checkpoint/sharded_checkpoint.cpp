@@ -243,6 +243,8 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
       }
       for (const EntryMeta& e : reader->metadata().entries)
         if (e.key.rfind("model/", 0) == 0 && !wanted.count(e.key)) info.unexpected_keys.push_back(e.key.substr(6));
+      // Pipeline stages hold different layers: a key is unexpected only when no rank wants it.
+      if (cfg.pipe_size > 1) info.unexpected_keys = detail::keys_on_every_rank(comm, info.unexpected_keys);
       if (options.strict && !info.missing_keys.empty()) {
         std::string s = "missing model keys:";
         for (const auto& k : info.missing_keys) s += " " + k;

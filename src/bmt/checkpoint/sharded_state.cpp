@@ -1,12 +1,23 @@
 #include "bmt/checkpoint/sharded_state.h"
 
+#include <algorithm>
 #include <cctype>
 #include <unordered_set>
 
+#include "bmt/checkpoint/comm_util_internal.h"
 #include "bmt/core/error.h"
+#include "bmt/init.h"
 
 namespace bmt::checkpoint {
 namespace {
+
+// "num_params", "group.<g>.num_params" of an optimizer (any prefix): how many parameters this rank's optimizer
+// holds, which differs between pipeline stages.
+bool is_pipeline_count(const std::string& key) {
+  const std::string tail = "num_params";
+  return key.size() >= tail.size() && key.compare(key.size() - tail.size(), tail.size(), tail) == 0 &&
+         is_initialized() && config().pipe_size > 1;
+}
 
 std::vector<at::Tensor> group_params(const torch::optim::Optimizer& opt) {
   std::vector<at::Tensor> out;
@@ -128,7 +139,10 @@ std::vector<LocalSlice> provider_slices(const std::string& C, const ShardedState
     size_t i = 0;
     std::string name;
     if (!space || !parse_indexed(key.substr(space->prefix.size()), i, name) || i >= space->params.size()) {
-      out.push_back(whole(C + "/global/" + key, t, {{"role", "global"}, {"component", C}, {"sdkey", key}}, fresh));
+      std::map<std::string, std::string> attrs{{"role", "global"}, {"component", C}, {"sdkey", key}};
+      // Pipeline stages hold different parameters: counts of them are this rank's, not global.
+      if (is_pipeline_count(key)) attrs["stage_local"] = "1";
+      out.push_back(whole(C + "/global/" + key, t, attrs, fresh));
       continue;
     }
     if (name == "#shape") continue;  // regenerated on load
@@ -183,6 +197,8 @@ optim::StateDict provider_state_from(const std::string& C, const ShardedStatePro
   optim::StateDict sd;
   const int saved_ws = reader.metadata().world_size;
   bool per_rank_reported = false;
+  std::vector<std::string> foreign;  // pipeline stages: parameters this rank does not hold
+  std::vector<std::string> stage_local;  // pipeline stages: parameter counts, this rank's own
   for (const EntryMeta& e : reader.metadata().entries) {
     auto attr = [&](const char* k) -> std::string {
       auto it = e.attrs.find(k);
@@ -192,6 +208,10 @@ optim::StateDict provider_state_from(const std::string& C, const ShardedStatePro
     const std::string role = attr("role");
     try {
       if (role == "global") {
+        if (attr("stage_local") == "1" || (config().pipe_size > 1 && is_pipeline_count(attr("sdkey")))) {
+          stage_local.push_back(attr("sdkey"));  // taken from this rank's current state below
+          continue;
+        }
         sd[attr("sdkey")] = reader.read_full(e);
       } else if (role == "rank") {
         if (saved_ws != world_size) {
@@ -211,6 +231,10 @@ optim::StateDict provider_state_from(const std::string& C, const ShardedStatePro
           continue;
         }
         auto pit = sit->second.find(pname);
+        if (pit == sit->second.end() && config().pipe_size > 1) {
+          foreign.push_back(pname);  // held by another pipeline stage? decided below, over every rank
+          continue;
+        }
         if (pit == sit->second.end()) {
           errors.push_back(C + ": the checkpoint has " + attr("name") + " state for parameter " + pname + " which " +
                            (prefix.empty() ? "the optimizer" : prefix) + " does not hold (a different model?)");
@@ -237,6 +261,18 @@ optim::StateDict provider_state_from(const std::string& C, const ShardedStatePro
     } catch (const std::exception& ex) {
       errors.push_back(ex.what());
     }
+  }
+  if (!stage_local.empty()) {
+    const optim::StateDict now = provider.state_dict();
+    for (const std::string& k : stage_local)
+      if (auto it = now.find(k); it != now.end()) sd[k] = it->second;
+  }
+  if (config().pipe_size > 1) {
+    std::sort(foreign.begin(), foreign.end());
+    foreign.erase(std::unique(foreign.begin(), foreign.end()), foreign.end());
+    for (const std::string& pname : detail::keys_on_every_rank(*config().comm, foreign))
+      errors.push_back(C + ": the checkpoint has state for parameter " + pname +
+                       " which no pipeline stage's optimizer holds (a different model?)");
   }
   for (const auto& s : spaces) {
     if (s.per_rank) continue;

@@ -26,6 +26,20 @@ void Communicator::check_root(const char* op, int root) const {
             "): root ", root, " is out of range [0, ", size(), ")");
 }
 
+void Communicator::batch_p2p(const std::vector<P2POp>& ops, StreamHandle stream) {
+  group_start();
+  try {
+    for (const P2POp& op : ops) {
+      if (op.is_send) send(op.buf, op.numel, op.dtype, op.peer, stream);
+      else recv(op.buf, op.numel, op.dtype, op.peer, stream);
+    }
+  } catch (...) {
+    group_end();
+    throw;
+  }
+  group_end();
+}
+
 std::string Communicator::dead_peer_suffix() const {
   if (!peer_monitor_) return "";
   // A collective usually fails (a reset, or its own timeout) before the heartbeat has been read: wait up to three

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "bmt/core/dtype.h"
 
@@ -26,6 +27,15 @@ const char* reduce_op_name(ReduceOp op);
 enum class DeviceKind { kCPU, kCUDA };
 
 using StreamHandle = void*;  // cudaStream_t on CUDA backends, nullptr (unused) on CPU backends
+
+// One point-to-point transfer of a batch_p2p call.
+struct P2POp {
+  bool is_send = true;
+  void* buf = nullptr;  // read when sending, written when receiving
+  size_t numel = 0;
+  DType dtype = DType::kFloat32;
+  int peer = 0;
+};
 
 class Communicator {
  public:
@@ -54,6 +64,11 @@ class Communicator {
   virtual void broadcast(const void* send, void* recv, size_t numel, DType dtype, int root, StreamHandle stream) = 0;
   virtual void send(const void* buf, size_t numel, DType dtype, int peer, StreamHandle stream) = 0;
   virtual void recv(void* buf, size_t numel, DType dtype, int peer, StreamHandle stream) = 0;
+
+  // Runs the sends and receives concurrently and returns when all are done (CPU) or enqueued (GPU): two ranks may
+  // both send to each other in one call without deadlocking, whatever the transport buffers. Messages between
+  // one pair of ranks are matched in call order. Default: the ops inside group_start/group_end (NCCL semantics).
+  virtual void batch_p2p(const std::vector<P2POp>& ops, StreamHandle stream);
 
   // Groups several operations into one launch (NCCL); a no-op on CPU backends.
   virtual void group_start() {}
