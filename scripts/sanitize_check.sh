@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ASan + UBSan check of the library and its CPU test suite: configures build-asan/ (CPU only, BMT_SANITIZE,
 # no Python module, examples and benchmarks off unless BMT_SANITIZE_EXAMPLES=1), builds it and runs
-# `ctest -L 'cpu|multirank'` with the sanitizer options below, then prints a summary (docs/testing.md).
+# `ctest -L 'cpu|multirank'` with the sanitizer options below, then prints a summary (README.md, "Sanitizers and fuzzing").
 #   BMT_SANITIZE=address,undefined  sanitizers (cmake/BmtSanitize.cmake)
 #   BMT_JOBS=2                      compile jobs; BMT_SANITIZE_BUILD_ONLY=1 stops after the build
 #   BMT_SANITIZE_CTEST_J=2          ctest -j;     extra arguments are passed to ctest (e.g. -R Checkpoint)

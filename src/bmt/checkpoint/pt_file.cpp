@@ -214,7 +214,11 @@ class PtReader final : public TensorFileReader {
     try {
       caffe2::serialize::PyTorchStreamReader zip(path);
       BMT_CHECK(zip.hasRecord("data.pkl"), path, ": not a torch.save archive (no data.pkl)");
+      // torch's zip reader checks no CRC: a flipped byte in the pickle could rename or reshape a tensor.
+      Record pkl_rec = stored_record(zip, "data.pkl");
       auto [pkl, pkl_nbytes] = zip.getRecord("data.pkl");
+      BMT_CHECK(static_cast<int64_t>(pkl_nbytes) == pkl_rec.nbytes, path, ": data.pkl has two sizes (corrupted)");
+      check_crc(pkl_rec, crc32(pkl.get(), pkl_nbytes));
       refs_ = parse_torch_pickle(std::string_view(static_cast<const char*>(pkl.get()), pkl_nbytes), path);
       std::map<std::string, size_t> record_of_key;
       for (const PickledTensor& t : refs_) {
@@ -224,15 +228,7 @@ class PtReader final : public TensorFileReader {
         const std::string rec = "data/" + t.storage_key;
         if (added) {
           BMT_CHECK(zip.hasRecord(rec), path, ": tensor ", t.name, " refers to a missing record ", rec);
-          uint8_t local[30];  // zip local file header: the record must be stored uncompressed
-          file_.pread_exact(static_cast<int64_t>(zip.getRecordHeaderOffset(rec)), 30, local);
-          BMT_CHECK(local[8] == 0 && local[9] == 0, path, ": record ", rec, " is compressed; only uncompressed "
-                    "archives (what torch.save writes) are supported");
-          Record r{rec, static_cast<int64_t>(zip.getRecordOffset(rec)), static_cast<int64_t>(zip.getRecordSize(rec))};
-          BMT_CHECK(r.offset >= 0 && r.nbytes >= 0 && r.nbytes <= file_.size_nbytes() - r.offset, path, ": record ",
-                    rec, " runs past the end of the file (truncated or corrupted)");
-          r.crc = stored_crc32(file_, local, r.offset + r.nbytes);
-          records_.push_back(std::move(r));
+          records_.push_back(stored_record(zip, rec));
         }
         BMT_CHECK(records_[it->second].nbytes >= need, path, ": record ", rec, " is shorter than its ",
                   t.storage_numel, "-element storage (truncated or corrupted)");
@@ -302,6 +298,19 @@ class PtReader final : public TensorFileReader {
     int64_t next_nbytes = 0;
     uint32_t crc = 0;
   };
+  // A record's place, size and stored CRC; it must be stored uncompressed (as torch.save writes) and lie inside
+  // the file.
+  Record stored_record(caffe2::serialize::PyTorchStreamReader& zip, const std::string& name) {
+    uint8_t local[30];  // zip local file header
+    file_.pread_exact(static_cast<int64_t>(zip.getRecordHeaderOffset(name)), 30, local);
+    BMT_CHECK(local[8] == 0 && local[9] == 0, path_, ": record ", name, " is compressed; only uncompressed archives "
+              "(what torch.save writes) are supported");
+    Record r{name, static_cast<int64_t>(zip.getRecordOffset(name)), static_cast<int64_t>(zip.getRecordSize(name))};
+    BMT_CHECK(r.offset >= 0 && r.nbytes >= 0 && r.nbytes <= file_.size_nbytes() - r.offset, path_, ": record ", name,
+              " runs past the end of the file (truncated or corrupted)");
+    r.crc = stored_crc32(file_, local, r.offset + r.nbytes);
+    return r;
+  }
   void verify(Record& rec) {
     if (rec.verified) return;
     std::vector<char> buf(static_cast<size_t>(std::min<int64_t>(rec.nbytes, int64_t{4} << 20)));
