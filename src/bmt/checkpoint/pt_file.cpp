@@ -232,6 +232,8 @@ class PtReader final : public TensorFileReader {
         }
         BMT_CHECK(records_[it->second].nbytes >= need, path, ": record ", rec, " is shorter than its ",
                   t.storage_numel, "-element storage (truncated or corrupted)");
+        // A stride-0 view can describe more bytes than int64 holds: refuse it here, not in a caller's arithmetic.
+        checked_nbytes(t.dtype, t.shape, path + ": tensor " + t.name);
         tensors_.push_back(TensorInfo{t.name, t.dtype, t.shape});
       }
     } catch (const core::Error&) {
@@ -250,7 +252,7 @@ class PtReader final : public TensorFileReader {
     BMT_ASSERT(i < refs_.size(), "tensor index ", i);
     const PickledTensor& t = refs_[i];
     const int64_t elem = dtype_element_nbytes(t.dtype);
-    const int64_t tensor_nbytes = checked_numel(t.shape, t.name) * elem;
+    const int64_t tensor_nbytes = checked_nbytes(t.dtype, t.shape, t.name);
     BMT_ASSERT(offset >= 0 && nbytes >= 0 && offset + nbytes <= tensor_nbytes, "read outside tensor ", t.name);
     if (nbytes == 0) return;
     Record& rec = records_[record_of_[i]];
