@@ -3,7 +3,8 @@
 # no Python module, examples and benchmarks off unless BMT_SANITIZE_EXAMPLES=1), builds it and runs
 # `ctest -L 'cpu|multirank'` with the sanitizer options below, then prints a summary (README.md, "Sanitizers and fuzzing").
 #   BMT_SANITIZE=address,undefined  sanitizers (cmake/BmtSanitize.cmake)
-#   BMT_JOBS=2                      compile jobs; BMT_SANITIZE_BUILD_ONLY=1 stops after the build
+#   BMT_JOBS=2                      compile jobs; BMT_SANITIZE_BUILD_ONLY=1 stops after the build;
+#                                   BMT_SANITIZE_TARGETS="a b" builds only these ninja targets (default: all)
 #   BMT_SANITIZE_CTEST_J=2          ctest -j;     extra arguments are passed to ctest (e.g. -R Checkpoint)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,7 @@ if command -v ccache >/dev/null 2>&1; then
 fi
 start=$(date +%s)
 cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${flags[@]}" >/dev/null
-ninja -C "$dir" -j"${BMT_JOBS:-$(nproc)}"
+ninja -C "$dir" -j"${BMT_JOBS:-$(nproc)}" ${BMT_SANITIZE_TARGETS:-}
 build_s=$(( $(date +%s) - start ))
 echo "[sanitize] build of $dir ($sanitizers) done in ${build_s} s"
 [ "${BMT_SANITIZE_BUILD_ONLY:-0}" = 1 ] && exit 0
@@ -29,7 +30,7 @@ echo "[sanitize] build of $dir ($sanitizers) done in ${build_s} s"
 # Leaks are checked (detect_leaks=1) with the suppressions in tests/sanitize/lsan.supp: each entry names a leak of
 # libtorch/gloo/the C runtime that is not ours, with the reason. UBSan findings abort the process
 # (-fno-sanitize-recover at compile time, halt_on_error here) so a test cannot pass over one.
-export ASAN_OPTIONS="detect_leaks=1:check_initialization_order=1:strict_init_order=1:detect_odr_violation=2:${ASAN_OPTIONS_EXTRA:-}"
+export ASAN_OPTIONS="detect_leaks=1:check_initialization_order=1:strict_init_order=1:${ASAN_OPTIONS_EXTRA:-}"
 export LSAN_OPTIONS="suppressions=$root/tests/sanitize/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$root/tests/sanitize/ubsan.supp"
 start=$(date +%s)
