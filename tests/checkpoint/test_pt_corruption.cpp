@@ -117,13 +117,14 @@ Loaded reference(const std::string& path, const std::string& bytes, const std::s
   write_bytes(path, bytes);
   Loaded ref = load_all(path);
   EXPECT_FALSE(ref.names.empty()) << name;
-  c10::Dict<c10::IValue, c10::IValue> dict;
+  c10::IValue loaded;
   try {
-    dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
+    loaded = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
   } catch (const c10::Error& e) {  // torch's C++ unpickler lacks some of Python's (test_python_interop covers them)
     std::printf("[pt corruption] torch::pickle_load cannot read %s: %s\n", name.c_str(), e.what_without_backtrace());
     return ref;
   }
+  auto dict = loaded.toGenericDict();
   EXPECT_EQ(dict.size(), ref.names.size()) << name;
   for (size_t i = 0; i < ref.names.size(); ++i) {
     at::Tensor t = dict.at(ref.names[i]).toTensor().contiguous();
