@@ -5,6 +5,13 @@ function(bmt_set_warnings target)
   endif()
 endfunction()
 
+# bmt_test_timeout(<out var> <seconds>): a test's timeout times BMT_TEST_TIMEOUT_SCALE (an instrumented build,
+# e.g. under sanitizers, runs slower; scripts/sanitize_check.sh sets it).
+function(bmt_test_timeout out seconds)
+  math(EXPR _t "${seconds} * ${BMT_TEST_TIMEOUT_SCALE}")
+  set(${out} ${_t} PARENT_SCOPE)
+endfunction()
+
 # bmt_add_test(NAME name SOURCES a.cpp ... LABELS cpu|multirank|cuda [TIMEOUT s] [PROCESSORS n] [RUN_SERIAL])
 # One gtest binary; each TEST becomes a CTest test carrying the labels.
 function(bmt_add_test)
@@ -12,6 +19,7 @@ function(bmt_add_test)
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
+  bmt_test_timeout(T_TIMEOUT ${T_TIMEOUT})
   if(NOT T_SOURCES)
     return()
   endif()

@@ -1,13 +1,15 @@
 // .pt (torch.save zip) implementation of TensorFileWriter / TensorFileReader (tensor_file.h).
+#include <ATen/ATen.h>
 #include <caffe2/serialize/inline_container.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
+#include "bmt/checkpoint/crc32_internal.h"
 #include "bmt/checkpoint/file_io.h"
 #include "bmt/checkpoint/pt_pickle_internal.h"
-#include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
 #include "bmt/core/error.h"
 
@@ -193,25 +195,45 @@ class PtWriter final : public TensorFileWriter {
   std::string write_error_;
 };
 
+// The CRC-32 the archive stores for a record: torch's writer (miniz, flag bit 3) puts it in the data descriptor
+// after the data, optionally behind the signature PK\7\8; other writers put it in the local header.
+uint32_t stored_crc32(const InFile& file, const uint8_t* local, int64_t data_end) {
+  auto le32 = [](const uint8_t* p) {
+    return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 | static_cast<uint32_t>(p[2]) << 16 |
+           static_cast<uint32_t>(p[3]) << 24;
+  };
+  if (!(local[6] & 8)) return le32(local + 14);
+  uint8_t desc[8];
+  file.pread_exact(data_end, 8, desc);
+  return le32(desc) == 0x08074b50u ? le32(desc + 4) : le32(desc);
+}
+
 class PtReader final : public TensorFileReader {
  public:
   explicit PtReader(const std::string& path) : path_(path), file_(path) {
     try {
       caffe2::serialize::PyTorchStreamReader zip(path);
       BMT_CHECK(zip.hasRecord("data.pkl"), path, ": not a torch.save archive (no data.pkl)");
+      // torch's zip reader checks no CRC: a flipped byte in the pickle could rename or reshape a tensor.
+      Record pkl_rec = stored_record(zip, "data.pkl");
       auto [pkl, pkl_nbytes] = zip.getRecord("data.pkl");
+      BMT_CHECK(static_cast<int64_t>(pkl_nbytes) == pkl_rec.nbytes, path, ": data.pkl has two sizes (corrupted)");
+      check_crc(pkl_rec, crc32(pkl.get(), pkl_nbytes));
       refs_ = parse_torch_pickle(std::string_view(static_cast<const char*>(pkl.get()), pkl_nbytes), path);
+      std::map<std::string, size_t> record_of_key;
       for (const PickledTensor& t : refs_) {
-        const std::string rec = "data/" + t.storage_key;
-        BMT_CHECK(zip.hasRecord(rec), path, ": tensor ", t.name, " refers to a missing record ", rec);
+        auto [it, added] = record_of_key.emplace(t.storage_key, records_.size());
+        record_of_.push_back(it->second);
         const int64_t need = checked_nbytes(t.dtype, {t.storage_numel}, path);
-        BMT_CHECK(static_cast<int64_t>(zip.getRecordSize(rec)) >= need, path, ": record ", rec, " is shorter than its ",
+        const std::string rec = "data/" + t.storage_key;
+        if (added) {
+          BMT_CHECK(zip.hasRecord(rec), path, ": tensor ", t.name, " refers to a missing record ", rec);
+          records_.push_back(stored_record(zip, rec));
+        }
+        BMT_CHECK(records_[it->second].nbytes >= need, path, ": record ", rec, " is shorter than its ",
                   t.storage_numel, "-element storage (truncated or corrupted)");
-        uint8_t local[30];  // zip local file header: the record must be stored uncompressed
-        file_.pread_exact(static_cast<int64_t>(zip.getRecordHeaderOffset(rec)), 30, local);
-        BMT_CHECK(local[8] == 0 && local[9] == 0, path, ": record ", rec, " is compressed; only uncompressed archives "
-                  "(what torch.save writes) are supported");
-        record_offset_.push_back(static_cast<int64_t>(zip.getRecordOffset(rec)));
+        // A stride-0 view can describe more bytes than int64 holds: refuse it here, not in a caller's arithmetic.
+        checked_nbytes(t.dtype, t.shape, path + ": tensor " + t.name);
         tensors_.push_back(TensorInfo{t.name, t.dtype, t.shape});
       }
     } catch (const core::Error&) {
@@ -220,24 +242,46 @@ class PtReader final : public TensorFileReader {
       BMT_ERROR("cannot read ", path, " as a torch.save archive: ", e.what());
     }
     gathered_.resize(refs_.size());
+    progress_.resize(refs_.size());
   }
+  // Every record a tensor's bytes come from is checked against its CRC-32 by the time the tensor's last byte is
+  // read (an error then: the caller has received corrupted bytes before it and must discard them, as
+  // bmt::load does on any error). A whole-storage tensor read front to back is checksummed on the way; anything
+  // else (a view, reads out of order) re-reads its record once.
   void read(size_t i, int64_t offset, int64_t nbytes, void* dst) override {
     BMT_ASSERT(i < refs_.size(), "tensor index ", i);
     const PickledTensor& t = refs_[i];
     const int64_t elem = dtype_element_nbytes(t.dtype);
-    BMT_ASSERT(offset >= 0 && nbytes >= 0 && offset + nbytes <= checked_numel(t.shape, t.name) * elem,
-               "read outside tensor ", t.name);
+    const int64_t tensor_nbytes = checked_nbytes(t.dtype, t.shape, t.name);
+    BMT_ASSERT(offset >= 0 && nbytes >= 0 && offset + nbytes <= tensor_nbytes, "read outside tensor ", t.name);
     if (nbytes == 0) return;
+    Record& rec = records_[record_of_[i]];
     if (t.is_contiguous()) {  // straight from the file
-      file_.pread_exact(record_offset_[i] + t.storage_offset * elem + offset, nbytes, dst);
+      file_.pread_exact(rec.offset + t.storage_offset * elem + offset, nbytes, dst);
+      Progress& p = progress_[i];
+      if (rec.verified) return;
+      if (t.storage_offset == 0 && tensor_nbytes == rec.nbytes && offset == p.next_nbytes) {
+        p.crc = crc32_update(p.crc, dst, static_cast<size_t>(nbytes));
+        p.next_nbytes += nbytes;
+        if (p.next_nbytes == rec.nbytes) check_crc(rec, p.crc);
+      } else if (offset + nbytes == tensor_nbytes) {
+        verify(rec);
+      }
       return;
     }
     if (!gathered_[i].defined()) {  // a strided view: gather it once (this tensor's size)
+      verify(rec);
       int64_t last = t.storage_offset;
       for (size_t k = 0; k < t.shape.size(); ++k) last += (t.shape[k] - 1) * t.strides[k];
-      at::Tensor storage = at::empty({last + 1}, at::TensorOptions().dtype(scalar_type_of(t.dtype)));
-      file_.pread_exact(record_offset_[i], (last + 1) * elem, storage.data_ptr());
-      gathered_[i] = storage.as_strided(t.shape, t.strides, t.storage_offset).contiguous();
+      at::Tensor storage = at::empty({(last + 1) * elem}, at::TensorOptions().dtype(at::kByte));
+      file_.pread_exact(rec.offset, (last + 1) * elem, storage.data_ptr());
+      // The view over bytes, with a last dimension of one element's bytes: gathers whole elements of any dtype.
+      // A size-1 dimension's stride is never followed (and may be anything in the file): 0.
+      std::vector<int64_t> shape = t.shape, strides;
+      for (size_t k = 0; k < t.shape.size(); ++k) strides.push_back(t.shape[k] == 1 ? 0 : t.strides[k] * elem);
+      shape.push_back(elem);
+      strides.push_back(1);
+      gathered_[i] = storage.as_strided(shape, strides, t.storage_offset * elem).contiguous();
     }
     std::memcpy(dst, static_cast<const char*>(gathered_[i].data_ptr()) + offset, static_cast<size_t>(nbytes));
   }
@@ -246,10 +290,53 @@ class PtReader final : public TensorFileReader {
   }
 
  private:
+  struct Record {
+    std::string name;  // "data/<key>"
+    int64_t offset = 0, nbytes = 0;
+    uint32_t crc = 0;
+    bool verified = false;
+  };
+  struct Progress {  // a whole-storage tensor read front to back
+    int64_t next_nbytes = 0;
+    uint32_t crc = 0;
+  };
+  // A record's place, size and stored CRC; it must be stored uncompressed (as torch.save writes) and lie inside
+  // the file.
+  Record stored_record(caffe2::serialize::PyTorchStreamReader& zip, const std::string& name) {
+    uint8_t local[30];  // zip local file header
+    file_.pread_exact(static_cast<int64_t>(zip.getRecordHeaderOffset(name)), 30, local);
+    BMT_CHECK(local[8] == 0 && local[9] == 0, path_, ": record ", name, " is compressed; only uncompressed archives "
+              "(what torch.save writes) are supported");
+    Record r{name, static_cast<int64_t>(zip.getRecordOffset(name)), static_cast<int64_t>(zip.getRecordSize(name))};
+    BMT_CHECK(r.offset >= 0 && r.nbytes >= 0 && r.nbytes <= file_.size_nbytes() - r.offset, path_, ": record ", name,
+              " runs past the end of the file (truncated or corrupted)");
+    r.crc = stored_crc32(file_, local, r.offset + r.nbytes);
+    return r;
+  }
+  void verify(Record& rec) {
+    if (rec.verified) return;
+    std::vector<char> buf(static_cast<size_t>(std::min<int64_t>(rec.nbytes, int64_t{4} << 20)));
+    uint32_t crc = 0;
+    for (int64_t at = 0; at < rec.nbytes;) {
+      const int64_t n = std::min<int64_t>(rec.nbytes - at, static_cast<int64_t>(buf.size()));
+      file_.pread_exact(rec.offset + at, n, buf.data());
+      crc = crc32_update(crc, buf.data(), static_cast<size_t>(n));
+      at += n;
+    }
+    check_crc(rec, crc);
+  }
+  void check_crc(Record& rec, uint32_t crc) {
+    BMT_CHECK(crc == rec.crc, path_, ": record ", rec.name, " fails its CRC-32 check (stored ", crc32_hex(rec.crc),
+              ", computed ", crc32_hex(crc), "): the file is corrupted; load another copy or re-save it");
+    rec.verified = true;
+  }
+
   std::string path_;
   InFile file_;
   std::vector<PickledTensor> refs_;
-  std::vector<int64_t> record_offset_;
+  std::vector<Record> records_;
+  std::vector<size_t> record_of_;  // tensor -> its record
+  std::vector<Progress> progress_;
   std::vector<at::Tensor> gathered_;
 };
 

@@ -11,6 +11,8 @@
 //                 largest tensor's nbytes. Reading parses data.pkl with our own pickle reader (pt_pickle.h) and
 //                 preads each requested byte range from the tensor's record (a strided view is gathered once,
 //                 its own size); files written by Python's torch.save of a dict or state_dict of tensors load.
+//                 The zip's CRC-32s are checked (torch's reader does not): data.pkl's at open, a tensor's record
+//                 by the time its last byte is read (a whole-storage tensor read in order costs no extra read).
 // Writers create "<path>.tmp-<random>" and commit() fsyncs it and renames it over <path> (then fsyncs the
 // directory): <path> is never seen half-written. A writer destroyed without commit() deletes its temporary file.
 #pragma once
