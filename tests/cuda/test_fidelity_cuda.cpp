@@ -3,9 +3,10 @@
 // bmt-bench-train's settings and its batches) for 50 steps, bmtrain's ZeRO-3, ZeRO-2, ZeRO-3 + checkpointing and
 // ZeRO-3 + AdamOffloadOptimizer (per-Block early start) against ReferenceGptTrainer (plain LibTorch, the same
 // numerics: bf16 parameters and activations, fp32 master weights and fp32 gradient sums, our AdamW formula). Every
-// per-step loss must agree within 1e-2; the reason for the bound is in tests/examples/test_fidelity_multirank.cpp
-// (one bf16 ulp of the logits, 2^-8·|z|, coherently, is ~1e-2 of loss; here at 124M the logits stay within
-// |z| <~ 3 as well).
+// per-step loss must agree within 1e-2 (the reason is in tests/examples/test_fidelity_multirank.cpp: one bf16 ulp
+// of the logits, 2^-8·|z|, coherently, is ~1e-2 of loss; here at 124M the logits stay within |z| <~ 3 as well), or
+// within twice the reference's own run-to-run spread so far where that is larger (after the step-12 spike; see the
+// test body).
 //
 // Also printed (not checked): the benchmark's plain-LibTorch path (bench/plain_gpt.h: fp32 parameters, bf16
 // autocast, fused AdamW) from the SAME initial values. The step-12 jump of the benchmark (ours 11.64 against plain
@@ -22,6 +23,8 @@
 #include <ATen/Context.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 
 #include "fidelity_harness.h"
@@ -109,24 +112,38 @@ TEST(FidelityCuda, Gpt124mMatchesTheSameNumericsReferenceFor50Steps) {
     c.steps = env_int("BMT_FIDELITY_STEPS", 50);
     const bmt::StateDict initial = fidelity::initial_state(c);
     const fidelity::Trace ref = fidelity::run_reference(c, initial);
+    // The reference again: cuDNN's attention backward stays non-deterministic even in deterministic mode, and after
+    // the step-12 loss spike (which the reference has too) such last-bit differences grow step by step (measured on
+    // an H200: ~1e-4 before the spike, up to ~5e-2 by step 49 between our own variants). The reference's distance
+    // from itself is the noise floor of this comparison: ours must stay within max(1e-2, 2 x that floor so far).
+    const fidelity::Trace ref2 = fidelity::run_reference(c, initial);
     torch::cuda::synchronize();
+    std::vector<double> bound(static_cast<size_t>(c.steps));
+    double floor_so_far = 0;
+    for (int s = 0; s < c.steps; ++s) {
+      floor_so_far = std::max(floor_so_far, std::abs(ref.loss[s] - ref2.loss[s]));
+      bound[static_cast<size_t>(s)] = std::max(1e-2, 2 * floor_so_far);
+    }
     const std::vector<double> plain = run_plain_autocast(c, initial);
     std::vector<std::pair<std::string, fidelity::Trace>> ours;
     for (const fidelity::Variant& v : fidelity::all_variants()) {
       ours.emplace_back(v.name, fidelity::run_ours(c, v, initial));
-      EXPECT_LT(fidelity::max_abs_diff(ours.back().second, ref), 1e-2) << v.name;
+      for (int s = 0; s < c.steps; ++s)
+        EXPECT_LE(std::abs(ours.back().second.loss[s] - ref.loss[s]), bound[static_cast<size_t>(s)])
+            << v.name << " step " << s << " (reference re-run differs by " << std::abs(ref.loss[s] - ref2.loss[s]) << ")";
     }
     std::printf("fidelity gpt2-124m seq %ld batch %ld bf16, %d steps, deterministic %d (skipped / loss scale: ours "
                 "and reference, OptimManager without loss scaling)\nstep  reference", static_cast<long>(c.model.max_seq_len),
                 static_cast<long>(c.batch), c.steps, static_cast<int>(deterministic));
     for (auto& [name, t] : ours) std::printf("  %s", name.c_str());
-    std::printf("  plain-autocast(same init)  skipped(ref,ours...)  scale(ref,ours)\n");
+    std::printf("  plain-autocast(same init)  skipped(ref,ours...)  scale(ref,ours)  reference-rerun  bound\n");
     for (int s = 0; s < c.steps; ++s) {
       std::printf("%4d  %.5f", s, ref.loss[s]);
       for (auto& [name, t] : ours) std::printf("  %.5f", t.loss[s]);
       std::printf("  %.5f  %d", plain[static_cast<size_t>(s)], static_cast<int>(ref.skipped[s]));
       for (auto& [name, t] : ours) std::printf(",%d", static_cast<int>(t.skipped[s]));
-      std::printf("  %g,%g\n", ref.scale_before[s], ours[0].second.scale_before[s]);
+      std::printf("  %g,%g  %.5f  %.3g\n", ref.scale_before[s], ours[0].second.scale_before[s], ref2.loss[s],
+                  bound[static_cast<size_t>(s)]);
     }
     for (auto& [name, t] : ours) std::printf("max |ours - reference| %s: %.3e\n", name.c_str(), fidelity::max_abs_diff(t, ref));
     std::fflush(stdout);
