@@ -31,6 +31,7 @@ run:
   --checkpointing      recompute Blocks in the backward
   --offload            Adam on the host (CPU)      --offload-gpu-blocks K  first K Blocks keep GPU Adam
   --offload-grad-bf16  bf16 gradient staging on the host
+  --step-in-backward   OptimManager::overlap_step_with_backward: each Block's fp32 gradients freed after its update
   --batch N            sequences per data-parallel rank per micro-step (1)
   --seq N              tokens per sequence (1024)
   --dtype bf16|fp16|fp32  parameter dtype (bf16)
@@ -85,6 +86,7 @@ int main(int argc, char** argv) {
       else if (a == "--offload") p.offload = true;
       else if (a == "--offload-gpu-blocks") p.offload_gpu_blocks = static_cast<int>(to_int(a, next()));
       else if (a == "--offload-grad-bf16") p.offload_grad_bf16 = true;
+      else if (a == "--step-in-backward") p.step_in_backward = true;
       else if (a == "--batch") p.batch = to_int(a, next());
       else if (a == "--seq") p.seq = to_int(a, next());
       else if (a == "--dtype") p.dtype = next();

@@ -27,7 +27,7 @@ void bind_estimate(py::module_& m) {
         [](const py::object& preset, const std::string& arch, int64_t layers, int64_t hidden, int64_t heads,
            int64_t ffn, int64_t kv_heads, int64_t vocab, int64_t max_seq, int world, int ranks_per_host, int tp,
            int pp, int zero, bool checkpointing, bool offload, int offload_gpu_blocks, bool offload_grad_bf16,
-           int64_t batch, int64_t seq, const std::string& dtype) {
+           bool step_in_backward, int64_t batch, int64_t seq, const std::string& dtype) {
           ModelShape s;
           if (!preset.is_none()) {
             s = model_shape_preset(preset.cast<std::string>());
@@ -51,6 +51,7 @@ void bind_estimate(py::module_& m) {
           p.offload = offload;
           p.offload_gpu_blocks = offload_gpu_blocks;
           p.offload_grad_bf16 = offload_grad_bf16;
+          p.step_in_backward = step_in_backward;
           p.batch = batch;
           p.seq = seq;
           p.dtype = dtype;
@@ -69,7 +70,7 @@ void bind_estimate(py::module_& m) {
         py::arg("vocab") = 50304, py::arg("max_seq") = 2048, py::arg("world") = 1, py::arg("ranks_per_host") = 0,
         py::arg("tp") = 1, py::arg("pp") = 1, py::arg("zero") = 3, py::arg("checkpointing") = false,
         py::arg("offload") = false, py::arg("offload_gpu_blocks") = 0, py::arg("offload_grad_bf16") = false,
-        py::arg("batch") = 1, py::arg("seq") = 1024, py::arg("dtype") = "bf16");
+        py::arg("step_in_backward") = false, py::arg("batch") = 1, py::arg("seq") = 1024, py::arg("dtype") = "bf16");
 }
 
 }  // namespace bmt::python

@@ -146,6 +146,11 @@ MemoryEstimate estimate_memory(const ModelShape& m, const MemoryPlan& plan) {
     e.host.buffers = e.ranks_per_host * staging;
   }
   e.gpu.optimizer_states = adam_bytes * on_gpu_adam;
+  if (plan.step_in_backward && !plan.offload) {
+    // Each Block's fp32 gradient shard lives from its reduction until its update is queued, then is freed: two
+    // Blocks' at most (one reducing, one updating) plus the parameters outside Blocks, updated in step().
+    e.gpu.gradients = grad_bytes * (other_p + std::min<double>(2.0, static_cast<double>(layers_here)) * layer_p) / dp;
+  }
   e.host.runtime = e.ranks_per_host * kRuntimeHostBytes;
 
   // Activations of the micro-batches in flight (pipeline stage 0 holds pp of them under 1F1B).

@@ -42,6 +42,7 @@ struct MemoryPlan {
   bool offload = false;          // Adam states (and the update) on the host
   int offload_gpu_blocks = 0;    // with offload: the first K Blocks keep GPU Adam
   bool offload_grad_bf16 = false;  // with offload: bf16 gradient staging on the host
+  bool step_in_backward = false;   // OptimManager::overlap_step_with_backward: Block gradients freed after update
   int64_t batch = 1;             // sequences per data-parallel rank per micro-step
   int64_t seq = 1024;            // tokens per sequence
   std::string dtype = "bf16";    // parameter dtype: bf16, fp16 or fp32

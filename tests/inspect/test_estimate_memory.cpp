@@ -102,6 +102,7 @@ TEST(EstimateMemory, MatchesEveryMeasuredPeakOfTheCurrentEngine) {
     p.offload = flag(r.j, "offload");
     p.offload_gpu_blocks = static_cast<int>(num(r.j, "offload_gpu_blocks", 0));
     p.offload_grad_bf16 = flag(r.j, "offload_grad_bf16");
+    p.step_in_backward = flag(r.j, "step_in_backward");
     p.batch = static_cast<int64_t>(num(r.j, "batch"));
     p.seq = static_cast<int64_t>(num(r.j, "seq"));
     p.ranks_per_host = 1;  // host_peak_gib is one process's
