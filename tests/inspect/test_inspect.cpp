@@ -74,7 +74,8 @@ TEST_P(InspectModelWorld, ShardedStatisticsEqualTheUnshardedTensors) {
     ASSERT_EQ(rows.size(), sd.size());
     for (auto& s : rows) {
       ASSERT_TRUE(sd.count(s.name)) << s.name;
-      const at::Tensor& p = [&]() -> const at::Tensor& {
+      // By value: named_parameters() returns a temporary dict, a reference into it would dangle.
+      const at::Tensor p = [&]() -> at::Tensor {
         for (auto& item : model.named_parameters()) if (item.key() == s.name) return item.value();
         throw std::runtime_error("no parameter " + s.name);
       }();

@@ -289,7 +289,7 @@ TEST(Faults, WrongTopologyFailsEveryRankQuickly) {
   if (bmt::testing::in_rank_process()) return;
   EXPECT_LT(seconds_since(t0), 60.0) << "ranks waited instead of failing at once (90 s timeout)";
   for (int r = 0; r < 4; ++r) EXPECT_EQ(status_of(report, r, 4), exit_code(1)) << report.summary;
-  expect_contains(report.summary, {"tp_size (3)", "does not divide the world size 4"});
+  expect_contains(report.summary, {"tp_size (3)", "does not divide 4"});
 }
 
 // init_distributed twice: a clear error, and the first initialisation stays usable.
