@@ -13,6 +13,24 @@
 
 namespace bmt::optim {
 namespace detail {
+namespace {
+
+// The parameters of `opt`, by TensorImpl.
+std::unordered_set<const void*> param_set(const BmtOptimizer& opt) {
+  std::unordered_set<const void*> out;
+  for (const at::Tensor& p : opt.flat_params()) out.insert(p.unsafeGetTensorImpl());
+  return out;
+}
+
+// The parameters of `params` that are in `owned`, in order.
+std::vector<at::Tensor> owned_of(const std::vector<at::Tensor>& params, const std::unordered_set<const void*>& owned) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& p : params)
+    if (owned.count(p.unsafeGetTensorImpl())) out.push_back(p);
+  return out;
+}
+
+}  // namespace
 
 OffloadOverlapState::OffloadOverlapState(std::vector<std::shared_ptr<AdamOffloadOptimizer>> optimizers,
                                          std::vector<std::shared_ptr<AdamOptimizer>> device_optimizers,
@@ -20,16 +38,8 @@ OffloadOverlapState::OffloadOverlapState(std::vector<std::shared_ptr<AdamOffload
     : optimizers_(std::move(optimizers)),
       device_optimizers_(std::move(device_optimizers)),
       release_gradients_(release_gradients) {
-  for (const auto& opt : optimizers_) {
-    std::unordered_set<const void*> mine;
-    for (const at::Tensor& p : opt->flat_params()) mine.insert(p.unsafeGetTensorImpl());
-    owned_.push_back(std::move(mine));
-  }
-  for (const auto& opt : device_optimizers_) {
-    std::unordered_set<const void*> mine;
-    for (const at::Tensor& p : opt->flat_params()) mine.insert(p.unsafeGetTensorImpl());
-    device_owned_.push_back(std::move(mine));
-  }
+  for (const auto& opt : optimizers_) owned_.push_back(param_set(*opt));
+  for (const auto& opt : device_optimizers_) device_owned_.push_back(param_set(*opt));
 }
 
 bool OffloadOverlapState::take_local_nonfinite() {
@@ -66,9 +76,7 @@ void OffloadOverlapState::on_block_reduced(Block& block) {
   if (none_started && !early_blocks_.empty()) end_iteration();
   const std::vector<at::Tensor> block_params = block.module()->parameters();
   for (size_t k = 0; k < optimizers_.size(); ++k) {
-    std::vector<at::Tensor> mine;
-    for (const at::Tensor& p : block_params)
-      if (owned_[k].count(p.unsafeGetTensorImpl())) mine.push_back(p);
+    const std::vector<at::Tensor> mine = owned_of(block_params, owned_[k]);
     if (mine.empty()) continue;  // a Block kept on another optimizer (e.g. GPU Adam)
     BMT_CHECK(seen_this_iteration_.insert({&block, k}).second, "overlap_offload_with_backward: a Block (",
               block.module()->name(), ") reduced its gradients twice in one iteration, but the overlap starts "
@@ -95,9 +103,7 @@ void OffloadOverlapState::on_block_reduced(Block& block) {
   // flag is checked by step(), which throws if an updated Block had one (the run diverged, as above).
   size_t updated_on_device = 0;
   for (size_t k = 0; k < device_optimizers_.size(); ++k) {
-    std::vector<at::Tensor> mine;
-    for (const at::Tensor& p : block_params)
-      if (device_owned_[k].count(p.unsafeGetTensorImpl())) mine.push_back(p);
+    const std::vector<at::Tensor> mine = owned_of(block_params, device_owned_[k]);
     if (mine.empty()) continue;
     BMT_CHECK(seen_this_iteration_.insert({&block, optimizers_.size() + k}).second, "overlap_step_with_backward: a "
               "Block (", block.module()->name(), ") reduced its gradients twice in one iteration, but its update "
