@@ -6,6 +6,7 @@
 #   BMT_JOBS=2                      compile jobs; BMT_SANITIZE_BUILD_ONLY=1 stops after the build;
 #                                   BMT_SANITIZE_TARGETS="a b" builds only these ninja targets (default: all)
 #   BMT_SANITIZE_CTEST_J=2          ctest -j;     extra arguments are passed to ctest (e.g. -R Checkpoint)
+#   BMT_SANITIZE_CMAKE_ARGS="..."   extra configure flags (on the GPU machine: the carried .deps, see gpu_check.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -15,6 +16,8 @@ examples=OFF
 [ "${BMT_SANITIZE_EXAMPLES:-0}" = 1 ] && examples=ON
 flags=(-DBMT_WITH_CUDA=OFF -DBMT_SANITIZE="$sanitizers" -DBMT_BUILD_PYTHON=OFF -DBMT_BUILD_EXAMPLES=$examples
        -DBMT_BUILD_BENCHMARKS=OFF -DBMT_TEST_TIMEOUT_SCALE="${BMT_SANITIZE_TIMEOUT_SCALE:-3}")
+# shellcheck disable=SC2206  # word splitting of the extra flags is intended
+flags+=(${BMT_SANITIZE_CMAKE_ARGS:-})
 if command -v ccache >/dev/null 2>&1; then
   flags+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 fi

@@ -130,6 +130,7 @@ void GlooCommunicator::all_reduce(const void* send, void* recv, size_t numel, DT
 void GlooCommunicator::reduce_scatter(const void* send, void* recv, size_t recv_numel, DType dtype, ReduceOp op,
                                       core::StreamHandle stream) {
   // CPU ranks only: reduce the whole buffer in a temporary, keep our chunk.
+  if (recv_numel == 0) return;  // nothing to reduce; recv may be null (memcpy on null is undefined even for 0 bytes)
   at::Tensor full = wrap(send, recv_numel * size_, dtype).clone();
   all_reduce(full.data_ptr(), full.data_ptr(), full.numel(), dtype, op, stream);
   std::memcpy(recv, static_cast<uint8_t*>(full.data_ptr()) + rank_ * recv_numel * core::dtype_nbytes(dtype),

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -23,6 +24,7 @@
 #include "bmt/pending_update.h"
 #include "gated_pool.h"
 #include "run_ranks.h"
+#include "inf_grad_hook.h"
 #include "tiny_model.h"
 
 namespace {
@@ -248,16 +250,7 @@ TEST(OffloadOverlap, InfInOneBlockIsNotUpdatedEarlyAndStepRefusesAHalfAppliedSte
     bmt::init_parameters(model);
     const bmt::StateDict before = bmt::state_dict(model);
     bmt::Block* poisoned = &(*model.list)[1];
-    const int poison = bmt::add_grad_ready_hook([poisoned](bmt::Block& b) {
-      if (&b != poisoned || bmt::rank() != 0) return;
-      for (auto& p : b.module()->parameters()) {
-        at::Tensor g = bmt::main_grad(p);
-        if (g.defined() && g.numel() > 0) {
-          g.view(-1).narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
-          return;
-        }
-      }
-    });
+    std::optional<tiny::InfGradOnRank0> poison(std::in_place, poisoned);
     auto off = std::make_shared<bmt::optim::AdamOffloadOptimizer>(model.parameters());
     bmt::optim::OptimManager manager;
     manager.add_optimizer(off);
@@ -277,7 +270,7 @@ TEST(OffloadOverlap, InfInOneBlockIsNotUpdatedEarlyAndStepRefusesAHalfAppliedSte
       EXPECT_NE(what.find("withheld for inf/NaN: #1"), std::string::npos) << what;  // backward order: 2, 1, 0
       EXPECT_NE(what.find("checkpoint"), std::string::npos) << what;
     }
-    bmt::remove_grad_ready_hook(poison);
+    poison.reset();
     const bmt::StateDict after = bmt::state_dict(model);
     for (const auto& kv : before) {
       const bool changed = !at::equal(kv.second, after.at(kv.first));

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "bmt/block.h"
@@ -19,6 +20,7 @@
 #include "bmt/param_registry.h"
 #include "bmt/parameter.h"
 #include "run_ranks.h"
+#include "inf_grad_hook.h"
 #include "tiny_model.h"
 
 namespace {
@@ -158,16 +160,7 @@ TEST(StepInBackward, InfInAnEarlyUpdatedBlockMakesStepThrowOnEveryRank) {
     tiny::Model model(d, {}, true);
     bmt::init_parameters(model);
     bmt::Block* poisoned = &(*model.list)[1];
-    const int poison = bmt::add_grad_ready_hook([poisoned](bmt::Block& b) {
-      if (&b != poisoned || bmt::rank() != 0) return;
-      for (auto& p : b.module()->parameters()) {
-        at::Tensor g = bmt::main_grad(p);
-        if (g.defined() && g.numel() > 0) {
-          g.view(-1).narrow(0, 0, 1).fill_(std::numeric_limits<float>::infinity());
-          return;
-        }
-      }
-    });
+    std::optional<tiny::InfGradOnRank0> poison(std::in_place, poisoned);
     auto opt = std::make_shared<bmt::optim::AdamOptimizer>(model.parameters());
     bmt::optim::OptimManager manager;
     manager.add_optimizer(opt);
@@ -179,6 +172,6 @@ TEST(StepInBackward, InfInAnEarlyUpdatedBlockMakesStepThrowOnEveryRank) {
     } catch (const bmt::core::Error& e) {
       EXPECT_NE(std::string(e.what()).find("diverged"), std::string::npos) << e.what();
     }
-    bmt::remove_grad_ready_hook(poison);
+    poison.reset();
   });
 }

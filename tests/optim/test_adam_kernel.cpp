@@ -60,8 +60,11 @@ struct Buffers {
     return a;
   }
   bool same_bits(const Buffers& o) const {
-    return param == o.param && std::memcmp(master.data(), o.master.data(), master.size() * 4) == 0 &&
-           std::memcmp(m.data(), o.m.data(), m.size() * 4) == 0 && std::memcmp(v.data(), o.v.data(), v.size() * 4) == 0;
+    // Byte comparison (not ==) so that NaN payloads and -0.0 count; empty vectors may hold null data pointers.
+    auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+      return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 4) == 0);
+    };
+    return param == o.param && same(master, o.master) && same(m, o.m) && same(v, o.v);
   }
 };
 
