@@ -52,8 +52,10 @@
 //   load is then measured twice per repeat: warm (load_sharded, the files just written) and cold
 //   (load_sharded_cold).
 // --profile: per-stage times of the saves (planning + collectives, snapshot, waiting for staged bytes = device
-//   → host copies, write syscalls, waiting for the checksum workers, fsync, commit) and the loads (check = read
-//   + verify the optimizer state, apply = model reads + copies into place), printed and in the JSON lines.
+//   → host copies, write syscalls, waiting for the checksum workers, fsync, commit) and the loads (check = the
+//   small entries; apply = the model's tensors, then the optimizer state, each read into place: bytes, seconds
+//   and GB/s of each part), printed and in the JSON lines; the table then lists each part's rate (rank 0, median)
+//   beside dd's warm or cold read.
 // Exit codes: 0 ok, 1 error, 2 bad arguments, 4 a load returned different values.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -455,14 +457,24 @@ struct Bench {
                   std::max(0.0, commit - s.write_s), s.total_s);
     return a.profile ? j.str() : "";
   }
+  // Rank 0's read rate of each part of a load ("<op>.model", "<op>.state"), one value per repeat.
+  std::map<std::string, std::vector<double>> part_gb_per_s;
   std::string load_profile(const std::string& op, const bmt::checkpoint::LoadInfo& info, double seconds) {
+    const double model_gb = static_cast<double>(info.model_bytes_read) / 1e9;
+    const double state_gb = static_cast<double>(info.state_bytes_read) / 1e9;
+    if (info.model_s > 0) part_gb_per_s[op + ".model"].push_back(model_gb / info.model_s);
+    if (info.state_s > 0) part_gb_per_s[op + ".state"].push_back(state_gb / info.state_s);
     std::ostringstream j;
     j << ",\"profile\":{\"check_s\":" << json_num(info.check_s) << ",\"apply_s\":" << json_num(info.apply_s)
-      << ",\"bytes_read\":" << info.bytes_read << "}";
+      << ",\"model_s\":" << json_num(info.model_s) << ",\"state_s\":" << json_num(info.state_s)
+      << ",\"bytes_read\":" << info.bytes_read << ",\"model_bytes_read\":" << info.model_bytes_read
+      << ",\"state_bytes_read\":" << info.state_bytes_read << "}";
     if (a.profile && rank == 0)
-      std::printf("bench_ckpt: profile %s (rank 0): %.3f s = check + read the optimizer state %.3f s, model reads + "
-                  "copies into place %.3f s; %.3f GB read from shard files\n", op.c_str(), seconds, info.check_s,
-                  info.apply_s, static_cast<double>(info.bytes_read) / 1e9);
+      std::printf("bench_ckpt: profile %s (rank 0): %.3f s = check (small entries) %.3f s + apply %.3f s: model %.3f "
+                  "GB in %.3f s (%.2f GB/s), optimizer state %.3f GB in %.3f s (%.2f GB/s); %.3f GB read from shard "
+                  "files\n", op.c_str(), seconds, info.check_s, info.apply_s, model_gb, info.model_s,
+                  info.model_s > 0 ? model_gb / info.model_s : 0.0, state_gb, info.state_s,
+                  info.state_s > 0 ? state_gb / info.state_s : 0.0, static_cast<double>(info.bytes_read) / 1e9);
     return a.profile ? j.str() : "";
   }
 
@@ -632,6 +644,15 @@ struct Bench {
         auto d = dd_gb_per_s.find(theirs);
         if (o != ours_gb_per_s.end() && d != dd_gb_per_s.end())
           std::printf("%s / %s = %.2f\n", ours.c_str(), theirs.c_str(), o->second / d->second);
+      }
+      // The two parts of each load on their own (rank 0, median over the repeats).
+      for (const auto& [part, rates] : part_gb_per_s) {
+        const std::string load_op = part.substr(0, part.find('.'));
+        auto d = dd_gb_per_s.find(load_op == "load_sharded_cold" ? "dd_read_cold" : "dd_read_warm");
+        const double m = median(rates);
+        std::printf("%s: %.3f GB/s (rank 0)", part.c_str(), m);
+        if (d != dd_gb_per_s.end()) std::printf(" = %.2fx %s", m / d->second, d->first.c_str());
+        std::printf("\n");
       }
       std::printf("(median of %ld, slowest rank; world %d; %s; baseline step %.4f s; rank 0 host peak %.2f GiB)\n",
                   static_cast<long>(a.repeat), world,

@@ -227,6 +227,32 @@ TEST(CheckpointReaderFast, PartialReadsReadOnlyTheirChecksumBlocks) {
   remove_tree(parent_directory(dir));
 }
 
+// One batch of spans: spans that share a checksum block read it once (straight into both destinations), and
+// overlapping spans (the same bytes to two places) are served from one verified read too.
+TEST(CheckpointReaderFast, ABatchOfSpansReadsEachBlockOnce) {
+  const std::string dir = join_path(temp_dir(), "ckpt");
+  const int64_t B = 4096;
+  at::Tensor t = at::randn({300000});
+  write_checkpoint(dir, t, B);
+  CheckpointReader r(dir);
+  const EntryMeta& e = *r.find("model/w");
+  const std::vector<std::pair<int64_t, int64_t>> ranges = {{0, 1000}, {1000, 5000}, {500, 1500}, {4990, 5000}};
+  std::vector<at::Tensor> outs;
+  std::vector<CheckpointReader::FileSpan> spans;
+  for (const auto& [a, b] : ranges) {
+    outs.push_back(at::zeros({b - a}));
+    const size_t first = spans.size();
+    r.spans_of(e, a, b, spans);
+    for (size_t i = first; i < spans.size(); ++i)
+      spans[i].dst = static_cast<char*>(outs.back().data_ptr()) + spans[i].dst_offset;
+  }
+  r.read_spans(spans);
+  for (size_t i = 0; i < ranges.size(); ++i)
+    EXPECT_TRUE(at::equal(outs[i], t.narrow(0, ranges[i].first, ranges[i].second - ranges[i].first))) << i;
+  EXPECT_EQ(r.bytes_read(), 5 * B);  // elements [0, 5000) = bytes [0, 20000): blocks 0..4, each once
+  remove_tree(parent_directory(dir));
+}
+
 TEST(CheckpointReaderFast, CorruptionInsideALargeReadIsReportedWithItsBlock) {
   const std::string dir = join_path(temp_dir(), "ckpt");
   at::Tensor t = at::randn({400000});

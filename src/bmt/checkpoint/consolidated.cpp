@@ -8,6 +8,7 @@
 #include "bmt/checkpoint/comm_util_internal.h"
 #include "bmt/checkpoint/json_internal.h"
 #include "bmt/checkpoint/slice_plan.h"
+#include "bmt/checkpoint/staged_appender_internal.h"
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
 #include "bmt/checkpoint/tp_layout.h"
@@ -60,13 +61,21 @@ ConsolidatedStats save(torch::nn::Module& model, const std::string& path, const 
 
   ConsolidatedStats stats;
   std::unique_ptr<TensorFileWriter> writer;
+  std::unique_ptr<StagedAppender> stage;  // rank 0: fetching overlaps writing
   std::string rank0_error;
   if (rank == 0) {
     std::vector<TensorInfo> infos;
     for (size_t i = 0; i < plan.size(); ++i)
       infos.push_back(TensorInfo{plan[i].info.key, plan[i].info.dtype, layouts[i].real_shape()});
-    rank0_error = capture_error([&] { writer = create_tensor_file(path, infos, options.metadata); });
+    bool on_device = false;
+    for (const LocalSlice& s : mine) on_device |= !s.data.is_cpu();
+    rank0_error = capture_error([&] {
+      writer = create_tensor_file(path, infos, options.metadata);
+      stage = std::make_unique<StagedAppender>(*writer, options.chunk_nbytes, on_device);
+    });
   }
+  // The staging buffers hold half a chunk each: two of them are one chunk.
+  const int64_t piece_nbytes = std::max<int64_t>(1, options.chunk_nbytes / 2);
   // Elements [a, b) of entry e's flattened (stored) tensor into dst (bytes, rank 0), each from its owner.
   auto fetch = [&](const PlannedEntry& e, int64_t a, int64_t b, at::Tensor dst) {
     const int64_t elem = dtype_element_nbytes(e.info.dtype);
@@ -85,23 +94,27 @@ ConsolidatedStats save(torch::nn::Module& model, const std::string& path, const 
       }
     }
   };
-  auto append = [&](const at::Tensor& bytes, int64_t held) {
-    stats.rank0_peak_nbytes = std::max(stats.rank0_peak_nbytes, held);
-    stats.file_nbytes += bytes.numel();
-    if (rank0_error.empty()) rank0_error = capture_error([&] { writer->append(bytes.data_ptr(), bytes.numel()); });
+  // Where rank 0 assembles the next n bytes: the staging buffer (or a scratch tensor after a failure).
+  auto next_bytes = [&](int64_t n) {
+    stats.file_nbytes += n;
+    if (rank0_error.empty()) {
+      at::Tensor t;
+      rank0_error = capture_error([&] { t = stage->reserve(n); });
+      if (t.defined()) return t;
+    }
+    return at::empty({n}, at::TensorOptions().dtype(at::kByte));  // the other ranks still send their parts
   };
+  if (rank == 0) stats.rank0_peak_nbytes = 2 * piece_nbytes;
   const auto bytes = at::TensorOptions().dtype(at::kByte);
   for (size_t ei = 0; ei < plan.size(); ++ei) {
     const PlannedEntry& e = plan[ei];
     const TpLayout& L = layouts[ei];
-    const int64_t elem = dtype_element_nbytes(e.info.dtype), step = chunk_numel_for(e.info.dtype, options.chunk_nbytes);
+    const int64_t elem = dtype_element_nbytes(e.info.dtype), step = chunk_numel_for(e.info.dtype, piece_nbytes);
     if (!L.is_split() || L.split_dim == 0) {
       // The stored order is the logical order (split along dim 0: the pieces follow each other).
       for (int64_t a = 0; a < e.numel; a += step) {
         const int64_t b = std::min(e.numel, a + step);
-        at::Tensor buf = rank == 0 ? at::empty({(b - a) * elem}, bytes) : at::Tensor();
-        fetch(e, a, b, buf);
-        if (rank == 0) append(buf, buf.numel());
+        fetch(e, a, b, rank == 0 ? next_bytes((b - a) * elem) : at::Tensor());
       }
       continue;
     }
@@ -121,10 +134,15 @@ ConsolidatedStats save(torch::nn::Module& model, const std::string& path, const 
       at::Tensor out = logical_rows(L, ra, rb, dtype, [&](int j, int64_t a, int64_t b) {
         return bufs[static_cast<size_t>(j)].view(dtype).narrow(0, a - ra * prow, b - a);
       });
-      append(out.contiguous().view(at::kByte), 2 * (rb - ra) * prow * L.tp_size * elem);
+      const at::Tensor out_bytes = out.contiguous().view(at::kByte);
+      stats.rank0_peak_nbytes = std::max(stats.rank0_peak_nbytes, 2 * piece_nbytes + 2 * out_bytes.numel());
+      stats.file_nbytes += out_bytes.numel();
+      if (rank0_error.empty()) rank0_error = capture_error([&] { stage->append(out_bytes); });
     }
   }
   if (rank == 0) {
+    if (rank0_error.empty()) rank0_error = capture_error([&] { stage->finish(); });
+    stage.reset();  // no write in flight past here
     if (rank0_error.empty()) rank0_error = capture_error([&] { writer->commit(); });
     if (writer) stats.rank0_peak_nbytes += writer->max_buffered_nbytes();
     writer.reset();  // deletes the temporary file after a failure

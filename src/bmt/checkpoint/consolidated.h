@@ -3,11 +3,12 @@
 // Collective over bmt::config().comm (pipe_size == 1; any tp_size: the file always holds LOGICAL tensors).
 //
 // Streaming bounds:
-//  * save: rank 0 assembles each tensor chunk by chunk (at most chunk_nbytes) from its own shard and the shards
-//    received point-to-point from their owners (each element sent once, by the lowest rank holding it), and
-//    appends it to the file. Rank 0 holds one chunk, plus, for .pt, the tensor being written (torch's zip writer
-//    takes whole records): peak = chunk_nbytes for .safetensors, max(chunk, largest tensor) for .pt. Other ranks
-//    hold nothing beyond their shards.
+//  * save: rank 0 assembles the file's bytes in two staging buffers of chunk_nbytes / 2 (pinned when its tensors
+//    are on a GPU) from its own shard and the shards received point-to-point from their owners (each element sent
+//    once, by the lowest rank holding it); a background thread writes one buffer (sync_file_range write-back
+//    after each write, one fsync at the end) while the other is filled (staged_appender_internal.h). Rank 0
+//    holds one chunk, plus, for .pt, the tensor being written (torch's zip writer takes whole records): peak =
+//    chunk_nbytes for .safetensors, chunk + largest tensor for .pt. Other ranks hold nothing beyond their shards.
 //  * load: rank 0 reads every needed tensor once, chunk by chunk, and sends each rank only the elements of its
 //    shard (replicated tensors: the whole tensor). No rank ever holds a full model.
 // Tensor parallelism (tp_size > 1): a TP-split parameter's pieces are written as the logical tensor. Split along

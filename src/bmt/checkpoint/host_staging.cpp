@@ -25,33 +25,35 @@ std::mutex& g_chunks_mutex = *new std::mutex;
 std::vector<std::unique_ptr<HostChunk>>& g_chunks = *new std::vector<std::unique_ptr<HostChunk>>;
 int64_t g_chunk_nbytes = kDefaultStageChunkNbytes;
 
-HostChunk make_chunk(bool pinned) {
+HostChunk make_chunk(bool pinned) { return allocate_host_buffer(g_chunk_nbytes, pinned); }
+
+}  // namespace
+
+HostChunk allocate_host_buffer(int64_t nbytes, bool pinned) {
   HostChunk c;
   c.pinned = pinned;
 #ifdef BMT_WITH_CUDA
   if (pinned) {
     // cudaHostAlloc of exactly the size: torch's pinned allocator would round up and cache on its own.
     void* p = nullptr;
-    const cudaError_t err = cudaHostAlloc(&p, static_cast<size_t>(g_chunk_nbytes), cudaHostAllocDefault);
-    BMT_CHECK(err == cudaSuccess, "checkpoint save: cannot pin ", g_chunk_nbytes >> 20, " MiB of host memory for "
+    const cudaError_t err = cudaHostAlloc(&p, static_cast<size_t>(nbytes), cudaHostAllocDefault);
+    BMT_CHECK(err == cudaSuccess, "checkpoint I/O: cannot pin ", nbytes >> 20, " MiB of host memory for "
               "a staging buffer (", cudaGetErrorString(err), "); the host is out of memory or the lock limit (ulimit "
               "-l) is low. An async save needs its whole shard file in pinned memory: release_snapshot_buffers() "
               "frees it, or save synchronously");
-    c.buf = at::from_blob(p, {g_chunk_nbytes}, [](void* q) { cudaFreeHost(q); }, at::TensorOptions().dtype(at::kByte));
+    c.buf = at::from_blob(p, {nbytes}, [](void* q) { cudaFreeHost(q); }, at::TensorOptions().dtype(at::kByte));
     c.data = static_cast<char*>(p);
     return c;
   }
 #endif
   c.pinned = false;
   void* p = nullptr;  // page-aligned: O_DIRECT writes (BMT_CKPT_DIRECT=1) need it
-  BMT_CHECK(::posix_memalign(&p, 4096, static_cast<size_t>(g_chunk_nbytes)) == 0, "checkpoint save: cannot allocate ",
-            g_chunk_nbytes >> 20, " MiB of host memory for a staging buffer");
-  c.buf = at::from_blob(p, {g_chunk_nbytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+  BMT_CHECK(::posix_memalign(&p, 4096, static_cast<size_t>(nbytes)) == 0, "checkpoint I/O: cannot allocate ",
+            nbytes >> 20, " MiB of host memory for a staging buffer");
+  c.buf = at::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
   c.data = static_cast<char*>(p);
   return c;
 }
-
-}  // namespace
 
 std::vector<HostChunk*> borrow_host_chunks(int64_t n, bool pinned) {
   std::lock_guard<std::mutex> lock(g_chunks_mutex);

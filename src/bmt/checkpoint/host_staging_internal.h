@@ -29,6 +29,9 @@ struct HostChunk {
   bool pinned = false;
 };
 
+// One page-aligned host buffer of nbytes (pinned when `pinned` and built with CUDA), freed with its `buf`.
+HostChunk allocate_host_buffer(int64_t nbytes, bool pinned);
+
 // The process's chunks [0, n), allocated on first use (pinned when `pinned`: CUDA pieces need it to copy
 // asynchronously; chunks of the other kind are replaced).
 std::vector<HostChunk*> borrow_host_chunks(int64_t n, bool pinned);

@@ -38,7 +38,9 @@ class SafetensorsWriter final : public TensorFileWriter {
   }
   void append(const void* data, int64_t nbytes) override {
     BMT_ASSERT(out_->position_nbytes() + nbytes <= expected_end_, "appending past the end of ", path_);
+    const int64_t at = out_->position_nbytes();
     out_->write(data, nbytes);
+    out_->start_writeback(at, nbytes);  // the final fsync then finds little left
   }
   void commit() override {
     BMT_ASSERT(out_->position_nbytes() == expected_end_, "commit of ", path_, " after ", out_->position_nbytes(),

@@ -1,6 +1,7 @@
 #include "bmt/checkpoint/sharded_checkpoint.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <mutex>
 #include <set>
@@ -10,6 +11,7 @@
 #include "bmt/checkpoint/comm_util_internal.h"
 #include "bmt/checkpoint/save_job_internal.h"
 #include "bmt/checkpoint/file_io.h"
+#include "bmt/checkpoint/load_staging_internal.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
 #include "bmt/pending_update.h"
@@ -47,6 +49,20 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// BMT_CKPT_LOAD_IN_PLACE=0 (comparisons): every tensor read on its own into a fresh host tensor, then copied.
+bool load_in_place_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("BMT_CKPT_LOAD_IN_PLACE");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
+// A damaged checkpoint (as opposed to one that does not match the training state).
+bool is_read_failure(const std::string& e) {
+  return e.find("checksum mismatch") != std::string::npos || e.find("truncated") != std::string::npos;
+}
 
 std::mutex g_pending_mutex;
 std::shared_ptr<SaveHandle::State> g_pending;  // the async save in flight (not yet waited)
@@ -225,6 +241,7 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
   std::vector<std::string> errors;
   std::vector<std::pair<LoadTarget, const EntryMeta*>> model_work;
   std::vector<optim::StateDict> component_sds;
+  std::vector<std::vector<DeferredStateRead>> component_deferred(state.components.size());
   std::string err = detail::capture_error([&] {
     std::unordered_map<const void*, std::string> names;
     if (state.model) {
@@ -256,8 +273,10 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
         errors.push_back(s + " (pass strict = false to load the matching keys only)");
       }
     }
-    for (const auto& c : state.components)
-      component_sds.push_back(provider_state_from(c.first, *c.second, names, rank, world, *reader, errors));
+    for (size_t i = 0; i < state.components.size(); ++i)
+      component_sds.push_back(provider_state_from(state.components[i].first, *state.components[i].second, names, rank,
+                                                  world, *reader, errors,
+                                                  load_in_place_enabled() ? &component_deferred[i] : nullptr));
     for (const auto& c : state.components) {
       bool found = false;
       for (const EntryMeta& e : reader->metadata().entries) {
@@ -276,26 +295,57 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
     std::vector<std::string> unique;
     for (const auto& e : errors)
       if (std::find(unique.begin(), unique.end(), e) == unique.end()) unique.push_back(e);
-    std::stable_partition(unique.begin(), unique.end(), [](const std::string& e) {
-      return e.find("checksum mismatch") != std::string::npos || e.find("truncated") != std::string::npos;
-    });
-    const bool damaged = unique.front().find("checksum mismatch") != std::string::npos ||
-                         unique.front().find("truncated") != std::string::npos;
+    std::stable_partition(unique.begin(), unique.end(), is_read_failure);
+    const bool damaged = is_read_failure(unique.front());
     err = damaged ? "the checkpoint is damaged:" : "the checkpoint does not match the training state:";
     for (const auto& e : unique) err += "\n    " + e;
   }
   detail::raise_if_any_failed(comm, err, what);
   info.check_s = seconds_since(t_check);
+  const int64_t check_bytes = reader->bytes_read();
   const auto t_apply = Clock::now();
 
-  // Apply: model first (optimizers may derive state from parameters), then components, then RNG.
+  // Apply: model first (optimizers may derive state from parameters), then components, then RNG. Tensors that
+  // can be are read straight into place (load_staging_internal.h), all of a part in one batch of reads.
   err = detail::capture_error([&] {
     at::NoGradGuard no_grad;
+    const auto t_model = Clock::now();
+    std::vector<InPlaceLoad> in_place;
     for (auto& [t, e] : model_work) {
-      at::Tensor v = read_param_range(*reader, *e, t.range);
-      t.dst.copy_(v.view(t.dst.sizes()));
+      if (load_in_place_enabled() && stored_like(*e, t.range) &&
+          can_load_in_place(*e, t.range.begin, t.range.end, t.dst)) {
+        in_place.push_back({e, t.range.begin, t.range.end, t.dst});
+      } else {
+        at::Tensor v = read_param_range(*reader, *e, t.range);
+        t.dst.copy_(v.view(t.dst.sizes()));
+      }
     }
-    for (size_t i = 0; i < state.components.size(); ++i) state.components[i].second->load_state_dict(component_sds[i]);
+    load_in_place(*reader, in_place);
+    info.model_s = seconds_since(t_model);
+    info.model_bytes_read = reader->bytes_read() - check_bytes;
+    const auto t_state = Clock::now();
+    for (size_t i = 0; i < state.components.size(); ++i) {
+      ShardedStateProvider& provider = *state.components[i].second;
+      provider.load_state_dict(component_sds[i]);
+      if (component_deferred[i].empty()) continue;
+      // The placeholders' live tensors, filled from the files.
+      const optim::StateDict views = provider.state_views();
+      in_place.clear();
+      for (const DeferredStateRead& d : component_deferred[i]) {
+        auto it = views.find(d.sd_key);
+        if (it == views.end()) continue;  // state this optimizer does not keep (e.g. master of an fp32 parameter)
+        if (can_load_in_place(*d.entry, d.begin, d.end, it->second)) {
+          in_place.push_back({d.entry, d.begin, d.end, it->second});
+        } else {
+          BMT_CHECK(it->second.numel() == d.end - d.begin, "checkpoint: ", state.components[i].first, " state ",
+                    d.sd_key, " has ", it->second.numel(), " elements after loading, the checkpoint ", d.end - d.begin);
+          it->second.copy_(reader->read(*d.entry, d.begin, d.end).view(it->second.sizes()));
+        }
+      }
+      load_in_place(*reader, in_place);
+    }
+    info.state_s = seconds_since(t_state);
+    info.state_bytes_read = reader->bytes_read() - check_bytes - info.model_bytes_read;
     if (options.rng && reader->metadata().world_size == world) {
       // Generator states belong to a rank's role: restored only when the tp size is unchanged too.
       const std::string tp = std::to_string(cfg.tp_size);
@@ -307,6 +357,7 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
       }) > 0;
     }
   });
+  if (is_read_failure(err)) err = "the checkpoint is damaged:\n    " + err;
   detail::raise_if_any_failed(comm, err, what);
   info.apply_s = seconds_since(t_apply);
   info.bytes_read = reader->bytes_read();

@@ -23,7 +23,10 @@
 // problem of every rank together in one error before changing anything; then reads only the byte ranges that
 // overlap its current shards (any world size, ZeRO level or Block layout; rounded out to the enclosing checksum
 // blocks, 1 MiB by default, so that every byte used is verified) and restores the RNG states when the
-// world size and tp size are unchanged.
+// world size and tp size are unchanged. The model's tensors, then the optimizer state (for optimizers that take
+// placeholders: BmtOptimizer::accepts_state_placeholders), are read straight into place, each part as one batch of
+// parallel verified reads (host tensors directly, CUDA tensors through pinned staging and a side stream); a
+// checksum mismatch found during these reads ("the checkpoint is damaged: ...") leaves the state partly loaded.
 // Tensor parallelism: model keys are the unwrapped model's with LOGICAL shapes (mismatches list logical shapes). A
 // TP-split parameter and its optimizer states are stored as the stacked tp pieces (tp_layout.h), so at the same
 // tp size each rank reads one contiguous range; at another tp size (or into an unsplit model, tp 1) each rank
@@ -123,10 +126,12 @@ struct LoadInfo {
   std::map<std::string, std::string> user_metadata;
   std::vector<std::string> missing_keys, unexpected_keys;  // model keys (strict = false)
   bool rng_restored = false;
-  // Profile: checking the checkpoint against the state and reading the components' state to the host (check_s),
-  // then reading the model's ranges and copying everything into place (apply_s); bytes read from shard files.
-  double check_s = 0, apply_s = 0;
-  int64_t bytes_read = 0;
+  // Profile: checking the checkpoint against the state, reading the small entries (check_s), then applying
+  // (apply_s): the model's tensors (model_s, model_bytes_read) and the components' state (state_s,
+  // state_bytes_read; load_state_dict + the state tensors read into place), the RNG states. bytes_read: all bytes
+  // read from shard files.
+  double check_s = 0, apply_s = 0, model_s = 0, state_s = 0;
+  int64_t bytes_read = 0, model_bytes_read = 0, state_bytes_read = 0;
 };
 
 // Fills the model, every component, state.step and state.user_metadata.

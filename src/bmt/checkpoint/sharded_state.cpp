@@ -34,7 +34,8 @@ class ManagerState final : public ShardedStateProvider {
     for (size_t k = 0; k < m_.optimizers().size(); ++k) {
       auto* bmt_opt = dynamic_cast<optim::BmtOptimizer*>(m_.optimizers()[k].get());
       out.push_back({"optimizers." + std::to_string(k) + ".",
-                     bmt_opt ? bmt_opt->flat_params() : group_params(*m_.optimizers()[k]), bmt_opt == nullptr});
+                     bmt_opt ? bmt_opt->flat_params() : group_params(*m_.optimizers()[k]), bmt_opt == nullptr,
+                     bmt_opt != nullptr && bmt_opt->accepts_state_placeholders()});
     }
     return out;
   }
@@ -50,7 +51,9 @@ class ManagerState final : public ShardedStateProvider {
 class OptimizerState final : public ShardedStateProvider {
  public:
   explicit OptimizerState(optim::BmtOptimizer& o) : o_(o) {}
-  std::vector<ParamSpace> param_spaces() const override { return {{"", o_.flat_params(), false}}; }
+  std::vector<ParamSpace> param_spaces() const override {
+    return {{"", o_.flat_params(), false, o_.accepts_state_placeholders()}};
+  }
   optim::StateDict state_dict() const override { return o_.state_dict(); }
   optim::StateDict state_views() const override { return o_.state_dict_views(); }
   bool views_alias_live_state() const override { return true; }
@@ -177,7 +180,8 @@ std::vector<LocalSlice> provider_slices(const std::string& C, const ShardedState
 
 optim::StateDict provider_state_from(const std::string& C, const ShardedStateProvider& provider,
                                      const std::unordered_map<const void*, std::string>& names, int rank,
-                                     int world_size, CheckpointReader& reader, std::vector<std::string>& errors) {
+                                     int world_size, CheckpointReader& reader, std::vector<std::string>& errors,
+                                     std::vector<DeferredStateRead>* deferred) {
   const auto spaces = provider.param_spaces();
   // Per space: model name -> index.
   std::map<std::string, std::unordered_map<std::string, size_t>> index_of;
@@ -242,7 +246,8 @@ optim::StateDict provider_state_from(const std::string& C, const ShardedStatePro
         }
         const size_t i = pit->second;
         const std::string out_key = prefix + "state." + std::to_string(i) + "." + attr("name");
-        const at::Tensor& p = space_of(spaces, prefix)->params[i];
+        const auto* space = space_of(spaces, prefix);
+        const at::Tensor& p = space->params[i];
         if (role == "param") {
           sd[out_key] = reader.read_full(e);
           continue;
@@ -252,6 +257,11 @@ optim::StateDict provider_state_from(const std::string& C, const ShardedStatePro
         if (saved.real_shape() != r.layout.real_shape()) {
           errors.push_back(C + ": " + attr("name") + " of " + pname + " has shape " + saved.describe() +
                            " in the checkpoint, the parameter has " + r.layout.describe() + " (a different model?)");
+          continue;
+        }
+        if (deferred && space->state_placeholders && stored_like(e, r)) {
+          sd[out_key] = at::empty(p.sizes(), at::TensorOptions().dtype(scalar_type_of(e.dtype)).device(at::kMeta));
+          deferred->push_back({out_key, &e, r.begin, r.end});
           continue;
         }
         sd[out_key] = read_param_range(reader, e, r).view(p.sizes());

@@ -40,6 +40,9 @@ class ShardedStateProvider {
     std::string prefix;
     std::vector<at::Tensor> params;
     bool per_rank = false;
+    // load_state_dict takes meta placeholders for this space's per-parameter state tensors and state_views()
+    // then returns the live tensors to fill (optim::BmtOptimizer::accepts_state_placeholders).
+    bool state_placeholders = false;
   };
   virtual ~ShardedStateProvider() = default;
   virtual std::vector<ParamSpace> param_spaces() const = 0;
@@ -61,11 +64,22 @@ std::shared_ptr<ShardedStateProvider> sharded_state(optim::lr_scheduler::WarmupL
 std::vector<LocalSlice> provider_slices(const std::string& component, const ShardedStateProvider& provider,
                                         const std::unordered_map<const void*, std::string>& names, int rank);
 
+// A per-parameter state tensor of a placeholder space, read after load_state_dict straight into the live
+// tensor state_views()[sd_key]: elements [begin, end) of `entry`.
+struct DeferredStateRead {
+  std::string sd_key;
+  const EntryMeta* entry = nullptr;
+  int64_t begin = 0, end = 0;
+};
+
 // Load side: rebuilds the provider's StateDict for this rank's current sharding from the checkpoint. Problems
 // (unknown parameters, shape/dtype mismatches, missing entries) are appended to `errors`; the state dict is only
-// meaningful when none were added.
+// meaningful when none were added. With `deferred`, the per-parameter state tensors of spaces marked
+// state_placeholders that need no tp re-cut are not read: the state dict holds meta tensors of their shape and
+// dtype, and `deferred` says where their values are.
 optim::StateDict provider_state_from(const std::string& component, const ShardedStateProvider& provider,
                                      const std::unordered_map<const void*, std::string>& names, int rank,
-                                     int world_size, CheckpointReader& reader, std::vector<std::string>& errors);
+                                     int world_size, CheckpointReader& reader, std::vector<std::string>& errors,
+                                     std::vector<DeferredStateRead>* deferred = nullptr);
 
 }  // namespace bmt::checkpoint

@@ -85,6 +85,12 @@ at::Tensor read_param_range(CheckpointReader& reader, const EntryMeta& e, const 
                               [&](int j, int64_t a, int64_t b) { return reader.read(e, j * pn + a, j * pn + b); });
 }
 
+bool stored_like(const EntryMeta& e, const ParamRange& r) {
+  TpLayout src = entry_tp_layout(e.key, e.shape, e.attrs);
+  TpLayout dst = r.layout;
+  return align_unsplit(src, dst) && align_unsplit(dst, src) && src.logical_shape == dst.logical_shape && src == dst;
+}
+
 std::string entry_mismatch(const EntryMeta& e, const std::string& dtype, const ParamRange& r) {
   const TpLayout src = entry_tp_layout(e.key, e.shape, e.attrs);
   if (e.dtype == dtype && src.real_shape() == r.layout.real_shape()) return "";

@@ -72,6 +72,8 @@ struct LoadTarget {
 // equal r.layout's: a direct range read when e was stored with the same tp layout, else the piece is re-cut from
 // e's pieces (tp_layout.h; one parameter's overlapping rows at a time).
 at::Tensor read_param_range(CheckpointReader& reader, const EntryMeta& e, const ParamRange& r);
+// True when `e` holds r's elements as the plain range [r.begin, r.end) (stored with r's tp layout: no re-cut).
+bool stored_like(const EntryMeta& e, const ParamRange& r);
 // "" when entry `e` can fill r (same dtype and logical shape), else "checkpoint has F32 [16, 8], model has ...".
 std::string entry_mismatch(const EntryMeta& e, const std::string& dtype, const ParamRange& r);
 

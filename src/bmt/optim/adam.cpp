@@ -28,12 +28,13 @@ AdamOptimizer::AdamOptimizer(const std::vector<torch::optim::OptimizerParamGroup
 AdamOptimizer::AdamOptimizer(const std::vector<ParamGroupSpec>& param_groups, const AdamOptions& defaults)
     : AdamBase(make_param_groups(param_groups, defaults), defaults) {}
 
-AdamState AdamOptimizer::new_state(const at::Tensor& p) const {
+AdamState AdamOptimizer::new_state(const at::Tensor& p, bool uninitialized) const {
   AdamState s;
   auto f32 = p.options().dtype(at::kFloat).requires_grad(false);
-  s.exp_avg = at::zeros(p.sizes(), f32);
-  s.exp_avg_sq = at::zeros(p.sizes(), f32);
-  if (p.scalar_type() != at::kFloat) s.master = p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  s.exp_avg = uninitialized ? at::empty(p.sizes(), f32) : at::zeros(p.sizes(), f32);
+  s.exp_avg_sq = uninitialized ? at::empty(p.sizes(), f32) : at::zeros(p.sizes(), f32);
+  if (p.scalar_type() != at::kFloat)
+    s.master = uninitialized ? at::empty(p.sizes(), f32) : p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   return s;
 }
 

@@ -36,7 +36,7 @@ class AdamOptimizer : public AdamBase {
 
  protected:
   void do_step(double loss_scale) override;
-  AdamState new_state(const at::Tensor& p) const override;
+  AdamState new_state(const at::Tensor& p, bool uninitialized) const override;
   void before_zero_grad() override { started_.clear(); }
 
  private:

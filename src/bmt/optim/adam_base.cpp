@@ -99,7 +99,7 @@ const AdamState* AdamBase::find_state(const at::Tensor& p) const {
 
 AdamState& AdamBase::state_for(const at::Tensor& p) {
   auto it = states_.find(p.unsafeGetTensorImpl());
-  if (it == states_.end()) it = states_.emplace(p.unsafeGetTensorImpl(), new_state(p)).first;
+  if (it == states_.end()) it = states_.emplace(p.unsafeGetTensorImpl(), new_state(p, false)).first;
   return it->second;
 }
 
@@ -206,22 +206,45 @@ void AdamBase::load_state_dict(const StateDict& sd) {
     static_cast<AdamOptions&>(param_groups_[g].options()) = o;
   }
   at::NoGradGuard no_grad;
+  // State tensors the load overwrites completely (placeholders) are reused when they fit: no allocation, no
+  // first-touch page faults.
+  std::unordered_map<const void*, AdamState> previous = std::move(states_);
   states_.clear();
+  auto reusable = [&](const AdamState& s, const at::Tensor& p) {
+    const bool half = p.scalar_type() != at::kFloat;
+    for (const at::Tensor* t : {&s.exp_avg, &s.exp_avg_sq, &s.master}) {
+      if (t == &s.master && !half) continue;
+      if (!t->defined() || t->numel() != p.numel() || !t->is_contiguous() || t->device() != state_device(p) ||
+          t->scalar_type() != at::kFloat)
+        return false;
+    }
+    return half == s.master.defined();
+  };
   for (size_t i = 0; i < params.size(); ++i) {
     std::string k = core::concat("state.", i, ".");
     if (!has_entry(sd, k + "step")) continue;
-    AdamState& s = state_for(params[i]);
+    // Placeholders (meta tensors, accepts_state_placeholders): the caller fills those tensors after this returns.
+    const bool half = params[i].scalar_type() != at::kFloat;
+    const bool unfilled = get_entry(sd, k + "exp_avg", what).is_meta() && get_entry(sd, k + "exp_avg_sq", what).is_meta() &&
+                          (!half || (has_entry(sd, k + "master") && get_entry(sd, k + "master", what).is_meta()));
+    auto old = previous.find(params[i].unsafeGetTensorImpl());
+    AdamState& s = states_
+                       .emplace(params[i].unsafeGetTensorImpl(),
+                                unfilled && old != previous.end() && reusable(old->second, params[i])
+                                    ? std::move(old->second)
+                                    : new_state(params[i], unfilled))
+                       .first->second;
     s.step = get_int(sd, k + "step", what);
     for (auto [name, dst] : {std::pair<const char*, at::Tensor*>{"exp_avg", &s.exp_avg}, {"exp_avg_sq", &s.exp_avg_sq}}) {
       const at::Tensor& src = get_entry(sd, k + name, what);
       BMT_CHECK(src.numel() == params[i].numel(), "load_state_dict of ", what, ": ", k, name, " has ", src.numel(),
                 " elements, expected ", params[i].numel());
-      dst->copy_(src.reshape_as(*dst));
+      if (!src.is_meta()) dst->copy_(src.reshape_as(*dst));
     }
     if (s.master.defined() && has_entry(sd, k + "master")) {
       const at::Tensor& src = get_entry(sd, k + "master", what);
       BMT_CHECK(src.numel() == params[i].numel(), "load_state_dict of ", what, ": ", k, "master has the wrong size");
-      s.master.copy_(src.reshape_as(s.master));
+      if (!src.is_meta()) s.master.copy_(src.reshape_as(s.master));
     }
   }
 }

@@ -70,6 +70,7 @@ class AdamBase : public BmtOptimizer {
   StateDict state_dict() const override;
   StateDict state_dict_views() const override;
   void load_state_dict(const StateDict& sd) override;
+  bool accepts_state_placeholders() const override { return true; }
 
   // The state of p, or nullptr before p's first update.
   const AdamState* find_state(const at::Tensor& p) const;
@@ -80,8 +81,11 @@ class AdamBase : public BmtOptimizer {
 
  protected:
   StateDict state_dict_impl(bool copy) const;
-  // A fresh state for p (zeros, master = p as fp32), on the device this optimizer keeps state on.
-  virtual AdamState new_state(const at::Tensor& p) const = 0;
+  // A fresh state for p (zeros, master = p as fp32), on the device this optimizer keeps state on; uninitialized:
+  // the same tensors left unfilled (a load writes every element).
+  virtual AdamState new_state(const at::Tensor& p, bool uninitialized) const = 0;
+  // The device new_state puts p's state on.
+  virtual c10::Device state_device(const at::Tensor& p) const { return p.device(); }
   // Waits for updates that may still be writing the state or the parameters (AdamOffloadOptimizer); called before
   // the state is read or replaced: find_state, state_dict, load_state_dict, refresh_master.
   virtual void wait_for_running_updates() const {}

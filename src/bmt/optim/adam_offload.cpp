@@ -82,12 +82,13 @@ AdamOffloadOptimizer::~AdamOffloadOptimizer() {
   }
 }
 
-AdamState AdamOffloadOptimizer::new_state(const at::Tensor& p) const {
+AdamState AdamOffloadOptimizer::new_state(const at::Tensor& p, bool uninitialized) const {
   AdamState s;
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
-  s.exp_avg = at::zeros(p.sizes(), f32);
-  s.exp_avg_sq = at::zeros(p.sizes(), f32);
-  if (p.scalar_type() != at::kFloat) s.master = p.detach().to(f32, /*non_blocking=*/false, /*copy=*/true);
+  s.exp_avg = uninitialized ? at::empty(p.sizes(), f32) : at::zeros(p.sizes(), f32);
+  s.exp_avg_sq = uninitialized ? at::empty(p.sizes(), f32) : at::zeros(p.sizes(), f32);
+  if (p.scalar_type() != at::kFloat)
+    s.master = uninitialized ? at::empty(p.sizes(), f32) : p.detach().to(f32, /*non_blocking=*/false, /*copy=*/true);
   return s;
 }
 

@@ -81,7 +81,8 @@ class AdamOffloadOptimizer : public AdamBase {
 
  protected:
   void do_step(double loss_scale) override;
-  AdamState new_state(const at::Tensor& p) const override;
+  AdamState new_state(const at::Tensor& p, bool uninitialized) const override;
+  c10::Device state_device(const at::Tensor&) const override { return at::kCPU; }
   void before_zero_grad() override;
   void wait_for_running_updates() const override;
 

@@ -43,6 +43,10 @@ class BmtOptimizer : public torch::optim::Optimizer {
   virtual StateDict state_dict_views() const { return state_dict(); }
   // Throws bmt::core::Error if sd belongs to a different model (parameter count or shapes differ).
   virtual void load_state_dict(const StateDict& sd) = 0;
+  // True when load_state_dict takes meta tensors (placeholders) for per-parameter state tensors: it allocates
+  // that state without filling it, and the caller then writes the values into state_dict_views()'s tensors of
+  // the same keys (checkpoint::load reads them straight from the files into place).
+  virtual bool accepts_state_placeholders() const { return false; }
 
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
