@@ -357,7 +357,11 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
       }) > 0;
     }
   });
-  if (is_read_failure(err)) err = "the checkpoint is damaged:\n    " + err;
+  // Bytes are verified as they land in place (no second pass), so damage found here comes after parts of the
+  // model and optimizer were overwritten: say so, the caller must not train on from this state.
+  if (is_read_failure(err))
+    err = "the checkpoint is damaged (the model and optimizer are now partly overwritten: load a good checkpoint "
+          "before training on):\n    " + err;
   detail::raise_if_any_failed(comm, err, what);
   info.apply_s = seconds_since(t_apply);
   info.bytes_read = reader->bytes_read();
