@@ -4,12 +4,13 @@ Launched with 2 ranks (pp 2) and 4 ranks (pp 2 x dp 2). BMTrain's semantics: eve
 layers before and after the list run data-parallel on every rank, OptimManager divides by config["zero_size"]
 (= world / pipe_size), so the torch reference steps on sum over ranks of each rank's loss / zero_size.
 """
+import os
 import types
 
 import torch
 
 import bmtrain as bmt
-from common import Skip, assert_close, case, expect_raises, main, randn, rank, rank_input, world
+from common import OUT, Skip, assert_close, case, expect_raises, main, randn, rank, rank_input, world
 from models import BMT, TORCH, make
 
 D, B, LAYERS = 6, 4, 5  # 5 layers over 2 stages: 3 + 2
@@ -113,6 +114,27 @@ def train_matches_torch():
 def train_matches_torch_zero2_no_checkpoint_4_micro():
     _world2_only()
     _trajectory(_pipe_kit(use_checkpoint=False, zero_level=2, num_micro_batches=4))
+
+
+@case
+def save_and_load_consolidated():
+    """bmt.save of a pipelined model writes the whole model (every stage's layers, the unpipelined keys);
+    bmt.load reads it back into the stages."""
+    _world2_only()
+    T, M = make(TORCH), make(_pipe_kit())
+    model, ref = M.Net(D, LAYERS, 11), T.Net(D, LAYERS, 11)
+    os.makedirs(OUT, exist_ok=True)
+    path = os.path.join(OUT, "pipe_model.pt")
+    bmt.save(model, path)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    want = ref.state_dict()
+    if sorted(saved) != sorted(want):
+        raise AssertionError(f"saved keys {sorted(saved)} != {sorted(want)}")
+    for k in want:
+        assert_close(f"saved {k}", saved[k], want[k])
+    other = M.Net(D, LAYERS, 99)
+    bmt.load(other, path)
+    _compare_params(other, ref, "loaded")
 
 
 @case
