@@ -78,6 +78,7 @@ def init_distributed(init_method="env://", seed=0, pipe_size=-1, num_micro_batch
     config["calc_stream"] = _cuda_stream(c["calc_stream"])
     config["load_stream"] = _cuda_stream(c["load_stream"])
     config["tp_comm_stream"] = _cuda_stream(c["tp_comm_stream"])
+    config["pp_comm_stream"] = _cuda_stream(c["pp_comm_stream"])
     config["topology"] = Topology(c)
     config.setdefault("save_param_to_cpu", True)
     config["initialized"] = True

@@ -74,7 +74,10 @@ class PipelineTransformerBlockList(torch.nn.Module):
             len(blocks), lambda layer: blocks[layer]._build(), num_hidden,
             int(num_micro_batches or config["micros"]), "gpipe", part, prefetch_depth)
 
-    def forward(self, *args, return_hidden_states=False):
+    def forward(self, *args, batch_related=None, return_hidden_states=False):
+        # batch_related (BMTrain's list of per-row arguments) is accepted and not needed: an extra argument is split
+        # into micro-batches when its first dimension is the batch size.
+        del batch_related
         if return_hidden_states:
             raise NotImplementedError("PipelineTransformerBlockList(return_hidden_states=True) is not supported")
         nh = self.num_hidden
