@@ -1,7 +1,8 @@
 """PipelineTransformerBlockList (init_distributed(pipe_size=2)) against the same model in plain torch.
 
-Launched with 2 ranks (pp 2; and 4 ranks, pp 2 x dp 2, with BMT_TEST_PIPE_WORLD4=1: test_pipe.py). BMTrain's semantics: every rank feeds its own batch, the
-layers before and after the list run data-parallel on every rank, OptimManager divides by config["zero_size"]
+Launched with 2 ranks (pp 2; and 4 ranks, pp 2 x dp 2, with BMT_TEST_PIPE_WORLD4=1: test_pipe.py). BMTrain's
+semantics: every rank feeds its own batch, the layers before and after the list run data-parallel on every rank,
+OptimManager divides by config["zero_size"]
 (= world / pipe_size), so the torch reference steps on sum over ranks of each rank's loss / zero_size.
 """
 import os
