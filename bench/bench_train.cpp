@@ -26,7 +26,7 @@
 // allocator's pickled history for https://pytorch.org/memory_viz, and a per-category table at the largest sample.
 // --tp N (bmt, under bmtrun): tensor parallelism over N ranks (examples' sequence-parallel layout, vocab-parallel
 // loss); the N ranks of a tp group share one batch, so tokens per step = B·T·(world / N).
-// --pp N --micro-batches M [--pp-schedule gpipe] (bmt, gpt, under bmtrun): the layers split over N pipeline stages
+// --pp N --micro-batches M [--pp-schedule gpipe] (bmt, gpt or llama, under bmtrun): the layers split over N pipeline stages
 // (world = pp x dp x tp), each step 1F1B over M micro-batches of B/M sequences; tokens per step = B·T·dp. Also
 // reported: bubble = 1 - (the stage's compute time, CUDA events around its forwards and backwards) / (the
 // pipeline part of the step, forward_backward to a device sync), the mean over ranks, next to (p-1)/(m+p-1).

@@ -28,7 +28,7 @@ const char* kUsage =
     "                       [--memory-breakdown (GPU bytes by category at the largest of the sampled moments)]\n"
     "                       [--force (skip the host memory check)]\n"
     "                       [--seed S] [--tp N (bmt: tensor parallelism; run under bmtrun with N | world)]\n"
-    "                       [--pp N --micro-batches M --pp-schedule 1f1b|gpipe (bmt, gpt: pipeline stages;\n"
+    "                       [--pp N --micro-batches M --pp-schedule 1f1b|gpipe (bmt, gpt or llama: pipeline stages;\n"
     "                        reports the measured bubble and (p-1)/(m+p-1))]\n";
 
 }  // namespace

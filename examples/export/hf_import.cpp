@@ -150,6 +150,14 @@ ck::HfLoadStats load_hf(LanguageModel& model, const std::string& dir) {
   ck::HfDir d(dir);
   ck::HfLoadOptions options;
   ck::HfNameMap map = hf_name_map(model.config(), d, &options);
+  if (model.pipelined()) {
+    // A stage holds only its own layers (and the embedding or head of its end): the tensors of the other stages'
+    // parameters are theirs to load, not unexpected here.
+    auto params = model.named_parameters(true);
+    auto buffers = model.named_buffers(true);
+    for (const auto& [ours, src] : map)
+      if (!params.contains(ours) && !buffers.contains(ours)) options.ignore.insert(src.name);
+  }
   ck::HfLoadStats stats;
   ck::load_hf_safetensors(model, d, map, options, &stats);
   return stats;

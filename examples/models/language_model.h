@@ -20,10 +20,9 @@
 #include <string>
 
 #include "bmt/nn/planned_layers.h"
-#include "bmt/pipeline_schedule.h"
+#include "bmt/pipeline.h"
 
 namespace bmt {
-class PipelineTransformerBlockList;
 namespace optim {
 class OptimManager;
 }
@@ -122,8 +121,10 @@ class LanguageModel : public torch::nn::Module {
   virtual at::Tensor head_rows(const at::Tensor& hidden, const TokenRows& rows);
   // The loss of logit_rows' output (both vocabulary layouts).
   at::Tensor rows_loss(const at::Tensor& logits, const TokenRows& rows, const at::Tensor& targets);
-  // The micro-batch callbacks of a pipeline step over ids/targets.
+  // The micro-batch callbacks of a pipeline step over ids/targets (embedding on the first stage, head and loss
+  // on the last), shared by training (pipeline_step) and evaluation (pipeline_eval_loss).
   struct PipelineBatch;
+  bmt::PipelineTransformerBlockList::Step pipeline_callbacks(const at::Tensor& ids, const at::Tensor& targets);
   at::Tensor pipeline_eval_loss(const at::Tensor& ids, const at::Tensor& targets);
   std::shared_ptr<bmt::PipelineTransformerBlockList> pipe_;
   // The architecture's plan unless ParallelOptions::tp_plan gives one; with the default plan also checks that

@@ -73,26 +73,56 @@ std::vector<at::Tensor> LlamaLayerImpl::forward(const std::vector<at::Tensor>& i
 
 Llama::Llama(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarType dtype) : config_(config) {
   config_.validate();
-  BMT_CHECK(bmt::config().pipe_size == 1, "model llama: pipeline parallelism (pipe_size ", bmt::config().pipe_size,
-            ") is not implemented for llama yet; use --model gpt or --pp 1");
   bmt::nn::TpBuilder tp(plan_for(parallel, llama_tp_plan(bmt::config().sequence_parallel)));
-  tok_embeddings = tp.root().embedding(*this, "tok_embeddings", config_.vocab_size, config_.dim, dtype);
+  // Pipeline stages hold only their part: tok_embeddings on the first, norm and output on the last (untied).
+  const bmt::Topology& topo = bmt::config().topology;
+  const bool pipelined = topo.pipe_size > 1;
+  const bool first = !pipelined || topo.is_first_stage(), last = !pipelined || topo.is_last_stage();
+  if (first) tok_embeddings = tp.root().embedding(*this, "tok_embeddings", config_.vocab_size, config_.dim, dtype);
   bmt::BlockOptions block_options;
   block_options.zero_level = parallel.zero_level;
   block_options.use_checkpoint = parallel.checkpointing;
-  std::vector<std::shared_ptr<bmt::Block>> blocks;
-  for (int64_t i = 0; i < config_.num_layers; ++i) {
+  auto make_layer = [&](int64_t i) {
     bmt::nn::TpScope scope = tp.scope("layers." + std::to_string(i));
     LlamaLayer layer(config_, dtype, scope);
     scope.finish(*layer);  // the RMSNorms replicated, before the Block packs them
-    blocks.push_back(bmt::make_block(layer.ptr(), block_options));
+    return bmt::make_block(layer.ptr(), block_options);
+  };
+  if (pipelined) {
+    bmt::PipelineOptions po;
+    po.schedule = parallel.pipe_schedule;
+    pipe_ = register_module("layers", std::make_shared<bmt::PipelineTransformerBlockList>(config_.num_layers,
+                                                                                          make_layer, po));
+  } else {
+    std::vector<std::shared_ptr<bmt::Block>> blocks;
+    for (int64_t i = 0; i < config_.num_layers; ++i) blocks.push_back(make_layer(i));
+    layers = register_module("layers", std::make_shared<bmt::TransformerBlockList>(blocks));
   }
-  layers = register_module("layers", std::make_shared<bmt::TransformerBlockList>(blocks));
-  norm = register_module("norm", bmt::nn::RMSNorm(config_.dim, config_.norm_eps, dtype));
-  output = tp.root().linear(*this, "output", config_.dim, config_.vocab_size, false, dtype);
-  tp.finish(*this);
-  set_vocab_layout(tp, "tok_embeddings", tok_embeddings.vocab_parallel(), "output", output.splits_output());
+  if (last) {
+    norm = register_module("norm", bmt::nn::RMSNorm(config_.dim, config_.norm_eps, dtype));
+    output = tp.root().linear(*this, "output", config_.dim, config_.vocab_size, false, dtype);
+  }
+  if (pipelined) {
+    tp.root().finish(*this);  // plan entries of other stages' modules match nothing here
+  } else {
+    tp.finish(*this);
+  }
+  if (first && last)
+    set_vocab_layout(tp, "tok_embeddings", tok_embeddings.vocab_parallel(), "output", output.splits_output());
+  else if (first)  // each stage checks the vocabulary layout of the end it holds
+    set_vocab_layout(tp, "tok_embeddings", tok_embeddings.vocab_parallel(), "tok_embeddings",
+                     tok_embeddings.vocab_parallel());
+  else if (last)
+    set_vocab_layout(tp, "output", output.splits_output(), "output", output.splits_output());
 }
+
+at::Tensor Llama::embed_rows(const TokenRows& rows) {
+  BMT_CHECK(rows.seq <= config_.max_seq_len, "Llama: sequence of ", rows.seq, " tokens exceeds max_seq_len ",
+            config_.max_seq_len);
+  return tok_embeddings.forward(rows.ids);
+}
+
+at::Tensor Llama::head_rows(const at::Tensor& hidden, const TokenRows&) { return output.forward(norm->forward(hidden)); }
 
 at::Tensor Llama::logit_rows(const TokenRows& rows) {
   BMT_CHECK(rows.seq <= config_.max_seq_len, "Llama: sequence of ", rows.seq, " tokens exceeds max_seq_len ",

@@ -1,5 +1,7 @@
 // Llama over bmtrain's ZeRO layers: RMSNorm, rotary positions (models/rope.h), SwiGLU, no biases, optional
-// grouped-query attention (num_kv_heads < num_heads), untied output projection.
+// grouped-query attention (num_kv_heads < num_heads), untied output projection. Under pipeline parallelism
+// (pipe_size > 1) the layers are a bmt::PipelineTransformerBlockList: tok_embeddings on the first stage, norm and
+// output on the last (models/pipeline_lm.cpp runs the step).
 //
 //   h = tok_embeddings[ids]
 //   per layer:  h += attention.wo(sdpa_causal(rope(wq·x), rope(wk·x), wv·x)),  x = attention_norm(h)
@@ -70,6 +72,8 @@ class Llama : public LanguageModel {
 
  protected:
   at::Tensor logit_rows(const TokenRows& rows) override;
+  at::Tensor embed_rows(const TokenRows& rows) override;
+  at::Tensor head_rows(const at::Tensor& hidden, const TokenRows& rows) override;
 
  private:
   ModelConfig config_;

@@ -42,9 +42,8 @@ void split_micro(const at::Tensor& ids, const at::Tensor& targets, int micro, st
 
 }  // namespace
 
-at::Tensor LanguageModel::pipeline_step(const at::Tensor& ids, const at::Tensor& targets,
-                                        bmt::optim::OptimManager& optim) {
-  BMT_CHECK(pipelined(), "model: pipeline_step needs pipe_size > 1 (use loss() and OptimManager::backward)");
+bmt::PipelineTransformerBlockList::Step LanguageModel::pipeline_callbacks(const at::Tensor& ids,
+                                                                        const at::Tensor& targets) {
   auto batch = std::make_shared<PipelineBatch>();
   split_micro(ids, targets, pipe_->num_micro_batches(), batch->ids, batch->targets, batch->rows);
   bmt::PipelineTransformerBlockList::Step step;
@@ -53,6 +52,13 @@ at::Tensor LanguageModel::pipeline_step(const at::Tensor& ids, const at::Tensor&
   step.last = [this, batch](int m, const std::vector<at::Tensor>& h) {
     return rows_loss(head_rows(h.at(0), batch->rows[m]), batch->rows[m], batch->targets[m]);
   };
+  return step;
+}
+
+at::Tensor LanguageModel::pipeline_step(const at::Tensor& ids, const at::Tensor& targets,
+                                        bmt::optim::OptimManager& optim) {
+  BMT_CHECK(pipelined(), "model: pipeline_step needs pipe_size > 1 (use loss() and OptimManager::backward)");
+  bmt::PipelineTransformerBlockList::Step step = pipeline_callbacks(ids, targets);
   step.scale_loss = [&optim](const at::Tensor& l) { return optim.scale_loss(l); };
   return pipe_->forward_backward(step);
 }
@@ -60,15 +66,7 @@ at::Tensor LanguageModel::pipeline_step(const at::Tensor& ids, const at::Tensor&
 at::Tensor LanguageModel::pipeline_eval_loss(const at::Tensor& ids, const at::Tensor& targets) {
   BMT_CHECK(!at::GradMode::is_enabled(), "model: with pipeline parallelism loss() only evaluates (under no_grad); "
             "train with pipeline_step(ids, targets, optim)");
-  auto batch = std::make_shared<PipelineBatch>();
-  split_micro(ids, targets, pipe_->num_micro_batches(), batch->ids, batch->targets, batch->rows);
-  bmt::PipelineTransformerBlockList::Step step;
-  step.first = [this, batch](int m) { return std::vector<at::Tensor>{embed_rows(batch->rows[m])}; };
-  step.extra_args = [batch](int m) { return std::vector<at::Tensor>{batch->rows[m].shape}; };
-  step.last = [this, batch](int m, const std::vector<at::Tensor>& h) {
-    return rows_loss(head_rows(h.at(0), batch->rows[m]), batch->rows[m], batch->targets[m]);
-  };
-  return pipe_->forward_only(step);
+  return pipe_->forward_only(pipeline_callbacks(ids, targets));
 }
 
 }  // namespace examples

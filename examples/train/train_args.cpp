@@ -24,7 +24,7 @@ std::string train_usage() {
                       the vocabulary are split over groups of N consecutive ranks (sequence-parallel layout);
                       data parallelism over the world / N groups (every rank of a group gets the same batch;
                       B counts per group). N must divide heads, kv heads and ff (the vocabulary is padded)
-  --pp N              pipeline parallelism (gpt, default 1): the layers split over N stages of consecutive
+  --pp N              pipeline parallelism (gpt, llama; default 1): the layers split over N stages of consecutive
                       ranks (world = pp x dp x tp), 1F1B over --micro-batches M micro-batches (default 2N;
                       B must be a multiple of M); --pp-schedule 1f1b|gpipe
   --dtype D           parameter dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16

@@ -85,9 +85,6 @@ void build(Run& run) {
   if (run.model->pipelined()) bmt::init_parameters_by_name(*run.model, args.seed);
   else bmt::init_parameters(*run.model);  // also seeds the per-rank generators
   if (!args.init_from.empty()) {
-    if (run.model->pipelined())
-      throw std::invalid_argument("--init-from with --pp: loading Hugging Face weights into pipeline stages is not "
-                                  "supported yet; fine-tune without --pp (dp/tp), or convert to a bmt checkpoint first");
     const auto stats = load_hf(*run.model, args.init_from);
     if (run.rank0)
       std::printf("initialised from %s (rank 0 read %.2f MB of tensor data from %ld file(s))\n", args.init_from.c_str(),

@@ -81,9 +81,8 @@ class Block(torch.nn.Module):
     def __init__(self, inner_module, use_checkpoint=True, zero_level=3, initialized=False, mode="BLOCK", *,
                  reduce_dtype=None, reduce_op="sum"):
         super().__init__()
-        if mode != "BLOCK":
-            raise NotImplementedError(f"Block(mode={mode!r}): pipeline parallelism (mode='PIPE') is not available "
-                                      "yet; use mode='BLOCK'")
+        if mode not in ("BLOCK", "PIPE"):
+            raise ValueError(f"Block: mode must be 'BLOCK' or 'PIPE', got {mode!r}")
         if isinstance(inner_module, Block):
             raise ValueError("Block: the module is already a Block; wrap each module once")
         if zero_level not in (2, 3):
@@ -103,9 +102,27 @@ class Block(torch.nn.Module):
         d["_buffers"] = inner_module._buffers
         d["_modules"] = inner_module._modules
         d["_non_persistent_buffers_set"] = inner_module._non_persistent_buffers_set
-        d["_cblock"] = _C.Block(_C.make_holder(named, []), functools.partial(_run_call, inner_module),
-                                zero_level, bool(use_checkpoint), reduce_dtype, reduce_op)
+        d["_mode"] = mode
+        d["_build_args"] = (zero_level, bool(use_checkpoint), reduce_dtype, reduce_op)
+        d["_cblock"] = None
+        if mode == "BLOCK":
+            self._build()
+        # mode "PIPE": built by the PipelineTransformerBlockList that takes it, after its parameters moved to the
+        # stage's group (and not at all on the other stages)
         self.training = inner_module.training
+
+    def _build(self):
+        zero_level, use_checkpoint, reduce_dtype, reduce_op = self.__dict__["_build_args"]
+        named = list(self._module.named_parameters())
+        self.__dict__["_cblock"] = _C.Block(_C.make_holder(named, []), functools.partial(_run_call, self._module),
+                                            zero_level, use_checkpoint, reduce_dtype, reduce_op)
+        return self._cblock
+
+    def _built(self):
+        if self.__dict__["_cblock"] is None:
+            raise RuntimeError("Block(mode='PIPE') runs only inside a bmt.PipelineTransformerBlockList (which builds "
+                               "it on the stage that holds the layer); use mode='BLOCK' for a standalone Block")
+        return self.__dict__["_cblock"]
 
     @property
     def inner_module(self):
@@ -113,15 +130,15 @@ class Block(torch.nn.Module):
 
     @property
     def zero_level(self):
-        return self._cblock.zero_level
+        return self._built().zero_level
 
     @property
     def use_checkpoint(self):
-        return self._cblock.use_checkpoint
+        return self._built().use_checkpoint
 
     def forward(self, *args, **kwargs):
         call = _BlockCall(args, kwargs)
-        return call.result(self._cblock.forward(call.tensor_inputs, call))
+        return call.result(self._built().forward(call.tensor_inputs, call))
 
     def __getattr__(self, name):
         try:
@@ -176,7 +193,7 @@ class TransformerBlockList(torch.nn.Module):
             blocks.append(m)
             self.add_module(str(i), m)
         self.__dict__["_blocks"] = blocks
-        self.__dict__["_clist"] = _C.TransformerBlockList([b._cblock for b in blocks], prefetch_depth)
+        self.__dict__["_clist"] = _C.TransformerBlockList([b._built() for b in blocks], prefetch_depth)
 
     def forward(self, *args, return_hidden_states=False):
         nh = self.num_hidden

@@ -54,20 +54,31 @@ def init_distributed(init_method="env://", seed=0, pipe_size=-1, num_micro_batch
     if config["initialized"]:
         raise RuntimeError("bmtrain is already initialized: call init_distributed once per process")
     pipe = pipe_size if pipe_size > 0 else 1
-    _C.init_distributed(seed=seed, tp_size=tp_size if tp_size > 0 else 1, pipe_size=pipe, zero_level=zero_level,
+    tp = tp_size if tp_size > 0 else 1
+    if pipe > 1 and tp > 1:
+        raise NotImplementedError(f"init_distributed(pipe_size={pipe}, tp_size={tp}): the Python package does not "
+                                  "combine pipeline and tensor parallelism yet (the C++ engine does: train_gpt --pp "
+                                  "--tp); use one of them")
+    if num_micro_batches is not None and num_micro_batches < 1:
+        raise ValueError(f"init_distributed: num_micro_batches must be >= 1, got {num_micro_batches}")
+    _C.init_distributed(seed=seed, tp_size=tp, pipe_size=pipe, zero_level=zero_level,
                         backend=backend, timeout_s=float(timeout or 0), sequence_parallel=sequence_parallel,
-                        quiet=quiet)
+                        quiet=quiet, num_micro_batches=num_micro_batches or 0)
     c = _C.config()
     config.update(c)
     config["device"] = torch.device(c["device"])
     config["pipe_enabled"] = pipe_size > 0
     if pipe_size > 0:
         config["micros"] = num_micro_batches or pipe
+        # BMTrain's groups: parameters outside the pipeline shard over the world (zero_comm), a stage's layers over
+        # the stage's data-parallel group (pp_zero_comm).
         config["pp_zero_comm"] = c["zero_comm"]
+        config["zero_comm"] = c["comm"]
     config["num_micro_batches"] = num_micro_batches
     config["calc_stream"] = _cuda_stream(c["calc_stream"])
     config["load_stream"] = _cuda_stream(c["load_stream"])
     config["tp_comm_stream"] = _cuda_stream(c["tp_comm_stream"])
+    config["pp_comm_stream"] = _cuda_stream(c["pp_comm_stream"])
     config["topology"] = Topology(c)
     config.setdefault("save_param_to_cpu", True)
     config["initialized"] = True

@@ -25,7 +25,10 @@ class DistributedParameter(torch.nn.Parameter):
             data = torch.as_tensor(data)
         obj = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=data.dtype, device=config["device"]),
                                           requires_grad)
-        _C.make_distributed(obj, data.detach(), init_method, bool(tp_mode), int(tp_split_dim))
+        # With a pipeline, a parameter outside it is used by every stage on its own data: it shards over the world
+        # (BMTrain's zero_comm); a pipeline layer's parameters move to their stage's group when the list takes them.
+        comm = config["comm"] if config.get("pipe_size", 1) > 1 else None
+        _C.make_distributed(obj, data.detach(), init_method, bool(tp_mode), int(tp_split_dim), comm)
         obj._init_method = init_method
         obj._tp_mode = bool(tp_mode)
         obj._tp_split_dim = int(tp_split_dim) if tp_mode else -1

@@ -44,6 +44,7 @@ py::dict config_dict() {
   d["tp_zero_size"] = c.tp_zero_size;
   d["pipe_rank"] = c.pipe_rank;
   d["pipe_size"] = c.pipe_size;
+  d["num_micro_batches"] = c.num_micro_batches;
   d["zero_level"] = c.zero_level;
   d["sequence_parallel"] = c.sequence_parallel;
   d["seed"] = c.seed;
@@ -57,6 +58,7 @@ py::dict config_dict() {
   d["tp_comm"] = c.tp_comm;
   d["tp_zero_comm"] = c.tp_zero_comm;
   d["pipe_comm"] = c.pipe_comm;
+  d["pp_comm_stream"] = stream_tuple(c.pp_comm_stream);
   d["calc_stream"] = stream_tuple(c.calc_stream);
   d["load_stream"] = stream_tuple(c.load_stream);
   d["tp_comm_stream"] = stream_tuple(c.tp_comm_stream);
@@ -96,11 +98,12 @@ void bind_init(py::module_& m) {
   m.def(
       "init_distributed",
       [](uint64_t seed, int tp_size, int pipe_size, int zero_level, const std::string& backend, double timeout_s,
-         bool sequence_parallel, bool quiet) {
+         bool sequence_parallel, bool quiet, int num_micro_batches) {
         InitOptions o;
         o.seed = seed;
         o.tp_size = tp_size;
         o.pipe_size = pipe_size;
+        o.num_micro_batches = num_micro_batches;
         o.zero_level = zero_level;
         o.backend = parse_backend(backend);
         if (timeout_s > 0) o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
@@ -111,7 +114,7 @@ void bind_init(py::module_& m) {
       },
       py::arg("seed") = 0, py::arg("tp_size") = 1, py::arg("pipe_size") = 1, py::arg("zero_level") = 3,
       py::arg("backend") = "auto", py::arg("timeout_s") = 0.0, py::arg("sequence_parallel") = true,
-      py::arg("quiet") = false);
+      py::arg("quiet") = false, py::arg("num_micro_batches") = 0);
   m.def("is_initialized", &is_initialized);
   m.def("config", &config_dict);
   m.def("finalize", &finalize, py::arg("barrier") = true, py::call_guard<py::gil_scoped_release>());

@@ -25,7 +25,7 @@ int param_state(const at::Tensor& p) {
 // `data`: the full tensor, or with tp_mode this tp rank's piece of a tensor split along tp_split_dim (-1: replicated
 // over the tp group). Only this rank's shard is kept.
 void make_distributed(const at::Tensor& target, const at::Tensor& data, py::object init_method, bool tp_mode,
-                      int tp_split_dim) {
+                      int tp_split_dim, std::shared_ptr<core::Communicator> comm) {
   InitMethod init = make_init_method(std::move(init_method));
   py::gil_scoped_release release;
   const Config& cfg = config();
@@ -38,7 +38,7 @@ void make_distributed(const at::Tensor& target, const at::Tensor& data, py::obje
     created = TensorParallelParameter(logical, tp_split_dim, data.scalar_type(), std::move(init), false,
                                       "DistributedParameter");
   } else {
-    created = DistributedParameter(data.sizes(), data.scalar_type(), std::move(init), false);
+    created = DistributedParameter(data.sizes(), data.scalar_type(), std::move(init), false, std::move(comm));
   }
   scatter_full(created, data);
   adopt_distributed_parameter(target, created);
@@ -57,7 +57,9 @@ NamedTensors named_tensors(const py::iterable& items) {
 
 void bind_params(py::module_& m) {
   m.def("make_distributed", &make_distributed, py::arg("target"), py::arg("data"), py::arg("init_method") = py::none(),
-        py::arg("tp_mode") = false, py::arg("tp_split_dim") = -1);
+        py::arg("tp_mode") = false, py::arg("tp_split_dim") = -1, py::arg("comm") = nullptr);
+  m.def("reshard_param", &reshard_distributed_parameter, py::arg("param"), py::arg("comm"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("is_distributed", &is_distributed_param);
   m.def("param_state", &param_state);
   m.def("logical_shape", [](const at::Tensor& p) { return meta_of(p).logical_shape(); });

@@ -185,6 +185,28 @@ void adopt_distributed_parameter(const at::Tensor& target, const at::Tensor& cre
   set_replication(target, replication_of(*meta));
 }
 
+void reshard_distributed_parameter(const at::Tensor& param, std::shared_ptr<core::Communicator> comm) {
+  BMT_CHECK(comm != nullptr, "reshard_distributed_parameter: no communicator given");
+  const ParamMeta& old = meta_of(param);
+  BMT_CHECK(old.block == nullptr, "reshard_distributed_parameter: the parameter already belongs to a Block; "
+            "reshard it before wrapping its module in a Block");
+  BMT_CHECK(!old.is_tp_split(), "reshard_distributed_parameter: tensor-parallel pieces cannot move groups");
+  at::Tensor full;
+  {
+    at::NoGradGuard no_grad;
+    full = raw_gather(param, old).clone();
+  }
+  at::Tensor created = DistributedParameter(full, false, std::move(comm));
+  std::shared_ptr<ParamMeta> meta = take_meta(created);
+  std::shared_ptr<ParamMeta> previous = take_meta(param);
+  meta->init_method = previous->init_method;
+  const bool requires_grad = param.requires_grad();
+  param.set_data(created);
+  param.set_requires_grad(requires_grad);
+  register_meta(param, meta);
+  set_replication(param, replication_of(*meta));
+}
+
 bool is_distributed_param(const at::Tensor& param) { return find_meta(param) != nullptr; }
 
 bool in_block(const at::Tensor& param) {

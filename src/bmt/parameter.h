@@ -118,6 +118,12 @@ void set_tp_grad_reduce(torch::nn::Module& module, TpGradReduce reduce);
 // requires_grad. Neither may belong to a Block yet.
 void adopt_distributed_parameter(const at::Tensor& target, const at::Tensor& created);
 
+// Moves a standalone DistributedParameter onto another sharding group `comm` in place (the same tensor object keeps
+// its record, init method and requires_grad; its shard is re-cut over `comm`). Collective over the parameter's
+// current group (it gathers the full value once), then local. Used when a pipeline stage takes a layer built over
+// the whole world (BMTrain's Python builds every layer on every rank) into its own data-parallel group.
+void reshard_distributed_parameter(const at::Tensor& param, std::shared_ptr<core::Communicator> comm);
+
 bool is_distributed_param(const at::Tensor& param);
 // Throws when `param` is not a DistributedParameter.
 ParamMeta& meta_of(const at::Tensor& param);

@@ -41,6 +41,8 @@ struct PipelineOptions {
   int prefetch_depth = 1;          // as TransformerBlockList
 };
 
+struct PipeAutogradFn;
+
 using BlockFactory = std::function<std::shared_ptr<Block>(int64_t layer)>;
 
 class PipelineTransformerBlockList : public torch::nn::Module {
@@ -67,6 +69,17 @@ class PipelineTransformerBlockList : public torch::nn::Module {
   at::Tensor forward_backward(const Step& step);
   // Forward only (no graph), micro-batches in order; returns the mean loss on every stage (evaluation).
   at::Tensor forward_only(const Step& step);
+
+  // BMTrain's PipelineTransformerBlockList.forward (what the Python package's list calls). Every stage calls it
+  // with its own batch: `inputs` = num_hidden hidden states (first dim b, the same b on every stage) followed by
+  // extra args. The stages' batches are concatenated in stage order, cut into num_micro_batches micro-batches and
+  // run through the stages (GPipe: every forward now; every backward, with the same transfers, when autograd reaches
+  // this call); each stage gets back its own b rows of the last stage's output, differentiable, so the code before
+  // and after the list (embedding, head, loss) runs data-parallel on every stage. Extras with first dim b are split
+  // like the hidden states (their gradient comes back per stage); others go whole to every micro-batch and must not
+  // require grad. Each output must have its input's shape and dtype (as between transformer layers). `context` is
+  // handed to every Block call (the Python binding's non-tensor arguments).
+  std::vector<at::Tensor> forward_autograd(const std::vector<at::Tensor>& inputs, CallContext context = nullptr);
 
   int num_stages() const { return stages_; }
   int stage_id() const { return stage_; }
@@ -102,6 +115,7 @@ class PipelineTransformerBlockList : public torch::nn::Module {
   double last_busy_seconds() const { return last_busy_s_; }
 
  private:
+  friend struct PipeAutogradFn;  // forward_autograd's autograd function (pipeline_autograd.cpp)
   void setup(int64_t num_layers);
   void register_local(std::vector<std::shared_ptr<Block>> local);
   at::Tensor broadcast_loss(at::Tensor mean_loss);

@@ -172,6 +172,31 @@ def test_fine_tune_and_export(hf_dirs, tmp_path, arch, tp):
     assert diff < 1e-4, f"fine-tuned {arch}: max |logits difference| {diff}"
 
 
+def step_losses(output):
+    return [float(x) for x in re.findall(r"\d+/\d+ loss ([0-9.]+)", output)]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_fine_tune_under_pipeline_matches_pp1(hf_dirs, arch):
+    """--init-from with --pp 2: each stage loads its own layers (and its end's embedding / head; GPT-2's tied wte on
+    both ends) by name; the losses of 3 steps equal those of --pp 1 on one rank (same global batch). ~3 s each."""
+    _, dirs, _ = hf_dirs
+    common = [TRAIN_GPT, "--init-from", str(dirs[arch][1]), "--steps", "3", "--batch", "4", "--seq", "16", "--lr",
+              "1e-3", "--warmup", "0", "--eval-batches", "1", "--task-rows", "16", "--eval-every", "1000",
+              "--samples", "0", "--progress", "lines", "--log-every", "1"]
+    losses = {}
+    for nproc, extra in ((1, []), (2, ["--pp", "2", "--micro-batches", "2"])):
+        r = subprocess.run([BMTRUN, "--nproc", str(nproc)] + common + extra, capture_output=True, text=True,
+                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "initialised from" in r.stdout, r.stdout
+        losses[nproc] = step_losses(r.stdout)
+    assert "pp 2 stages" in r.stdout, r.stdout
+    assert len(losses[1]) == 3 and len(losses[2]) == 3, losses
+    for a, b in zip(losses[1], losses[2]):
+        assert abs(a - b) <= 2e-4, f"{arch}: pp 1 losses {losses[1]} vs pp 2 {losses[2]}"
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_vocabulary_padded_for_tp(hf_dirs, tmp_path, arch):
     """A vocabulary of 127 at tp 2: the embedding (and Llama's head) get a zero row; the logits are transformers'."""
