@@ -10,6 +10,10 @@
 // backend (flash / memory-efficient attention backward accumulate with atomics). Every variant prints its
 // max |difference| and the graph counters whatever the verdict.
 //
+// Also: OptimManager::step on the GPU queues the Adam update ahead of its host read of the inf/NaN verdict (the
+// kernel skips itself on a bad step): an injected inf leaves parameters and step counts as they were (also on the
+// very first step, which then creates no state), loss scaling halves the scale, and good steps still update.
+//
 // Run: build-gpu/tests/cuda/bmt_graph_cuda_tests (label cuda; the world-2 cases skip with fewer than 2 GPUs).
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -19,6 +23,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -27,6 +32,7 @@
 #include "bmt/module_state.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/optim_manager.h"
+#include "bmt/param_registry.h"
 #include "bmt/parameter.h"
 #include "models/language_model.h"
 #include "run_ranks.h"
@@ -193,6 +199,64 @@ TEST(CudaGraphCuda, ShapeChangeFallsBackToEagerAndCapturesAgain) {
     EXPECT_NE(g.graph_report.find("modes: eager eager capture eager eager capture graph eager eager capture graph"),
               std::string::npos)
         << g.graph_report;
+  }, nccl_init());
+}
+
+TEST(CudaGraphCuda, QueuedAdamStepSkipsOnInfNanAndTakesBackItsCounts) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device";
+  bmt::testing::run_ranks(1, [] {
+    auto model = examples::make_model(small_gpt(), {3, false}, at::kBFloat16);
+    at::manual_seed(7);
+    bmt::init_parameters(*model);
+    std::vector<at::Tensor> params;
+    for (const auto& item : model->named_parameters()) params.push_back(item.value());
+    auto adam = std::make_shared<bmt::optim::AdamOptimizer>(params, bmt::optim::AdamOptions(1e-3));
+    bmt::optim::OptimManagerOptions mo;
+    mo.loss_scale = 1024;
+    bmt::optim::OptimManager manager(mo);
+    manager.add_optimizer(adam);
+    auto run_backward = [&](int step, bool poison) {
+      at::Tensor tokens = batch_for(step, 2, 32, small_gpt().vocab_size);
+      at::Tensor loss = model->loss(tokens.narrow(1, 0, 32), tokens.narrow(1, 1, 32));
+      manager.backward(loss);
+      if (poison) bmt::main_grad(params[3]).view(-1)[0].fill_(std::numeric_limits<float>::infinity());
+    };
+    auto snapshot = [&] {
+      std::vector<at::Tensor> out;
+      for (const auto& p : params) out.push_back(p.detach().clone());
+      return out;
+    };
+    auto same = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+      for (size_t i = 0; i < a.size(); ++i)
+        if (!at::equal(a[i], b[i])) return false;
+      return true;
+    };
+    // A bad first step: nothing changes, no state is left behind.
+    std::vector<at::Tensor> before = snapshot();
+    run_backward(0, true);
+    EXPECT_FALSE(manager.step());
+    manager.zero_grad();
+    EXPECT_TRUE(same(before, snapshot()));
+    EXPECT_EQ(adam->find_state(params[0]), nullptr);
+    EXPECT_EQ(manager.loss_scale(), 512);
+    // A good step updates and counts 1.
+    run_backward(1, false);
+    EXPECT_TRUE(manager.step());
+    manager.zero_grad();
+    EXPECT_FALSE(same(before, snapshot()));
+    ASSERT_NE(adam->find_state(params[0]), nullptr);
+    EXPECT_EQ(adam->find_state(params[0])->step, 1);
+    // A bad later step: parameters and counts stay.
+    before = snapshot();
+    run_backward(2, true);
+    EXPECT_FALSE(manager.step());
+    manager.zero_grad();
+    EXPECT_TRUE(same(before, snapshot()));
+    EXPECT_EQ(adam->find_state(params[0])->step, 1);
+    EXPECT_EQ(manager.num_skipped_steps(), 2);
+    run_backward(3, false);
+    EXPECT_TRUE(manager.step());
+    EXPECT_EQ(adam->find_state(params[0])->step, 2);
   }, nccl_init());
 }
 
