@@ -20,6 +20,9 @@
 // gradients are complete only at the end of the backward) keep a GPU AdamOptimizer in the same OptimManager.
 // --offload-gpu-blocks K: the same, and layers.0 .. K-1 too (their updates are the ones that cannot overlap).
 // --offload-grad-bf16 / --offload-async: AdamOffloadOptimizer::set_grad_transfer_dtype(bf16) / set_async_step.
+// --cuda-graphs (bmt; not with --offload, --step-in-backward, --pp): forward + backward, the Blocks' gathers and
+// gradient reductions included, captured once as a CUDA graph (bmt::CudaGraphStep, after 2 eager warm-up calls)
+// and replayed; the optimizer step stays eager. The JSON row says how many steps replayed ("cuda_graphs_status").
 // --profile: 2 more steps under the Kineto profiler after the timed ones (gpu_profile.h), printed and in the JSON.
 // The command line is parsed in bench_train_args.cpp.
 // --memory-snapshot PATH / --memory-breakdown: what holds the GPU memory peak (bench/memory_report.h): the
@@ -71,7 +74,9 @@
 #include "memory_report.h"
 #include "bmt/block.h"
 #include "bmt/core/error.h"
+#include "bmt/cuda_graph_step.h"
 #include "bmt/distributed.h"
+#include "bmt/stream_sync.h"
 #include "bmt/init.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
@@ -149,6 +154,7 @@ struct Runner {
   std::function<int64_t()> early_started = [] { return int64_t{0}; };  // Blocks updated during the backward
   std::function<int64_t()> skipped_steps = [] { return int64_t{0}; };  // OptimManager's inf/NaN skips
   std::function<void()> finish = [] {};
+  std::function<std::string()> graph_status = [] { return std::string("off"); };  // --cuda-graphs
   // --memory-breakdown: registers the categories this framework can name (bytes on the device now).
   std::function<void(bench::MemoryBreakdown&)> memory_categories = [](bench::MemoryBreakdown&) {};
 };
@@ -311,7 +317,43 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     r.finish = [] { bmt::finalize(); };
     return r;
   }
-  r.step = [model, optimizer, manager, raw](const at::Tensor& tokens) {
+  std::shared_ptr<bmt::CudaGraphStep> graph;
+  if (a.cuda_graphs) {
+    // Forward + backward (with the Blocks' gathers and gradient reductions) captured once and replayed; the
+    // optimizer step (its inf/NaN check reads the device on the host) and zero_grad (in place) stay eager.
+    bmt::CudaGraphOptions go;
+    go.verbose = true;
+    graph = std::make_shared<bmt::CudaGraphStep>(
+        [model, manager, raw](const std::vector<at::Tensor>& in) {
+          const int64_t T = in[0].size(1) - 1;
+          at::Tensor loss = model->loss(in[0].narrow(1, 0, T), in[0].narrow(1, 1, T));
+          if (raw) {
+            loss.backward();
+            bmt::wait_for_gradient_reduction();
+          } else {
+            manager->backward(loss);
+          }
+          return std::vector<at::Tensor>{loss.detach()};
+        },
+        go);
+    r.graph_status = [graph] {
+      return graph->disabled_reason().empty()
+                 ? "captures " + std::to_string(graph->num_captures()) + ", replays " +
+                       std::to_string(graph->num_replays()) + ", eager " + std::to_string(graph->num_eager())
+                 : "off (" + graph->disabled_reason() + "), eager " + std::to_string(graph->num_eager());
+    };
+    r.step = [graph, optimizer, manager, raw](const at::Tensor& tokens) {
+      at::Tensor loss = (*graph)({tokens}, manager->loss_scale())[0];
+      if (raw) {
+        optimizer->step(1.0);
+        optimizer->zero_grad();
+      } else {
+        manager->step();
+        manager->zero_grad();
+      }
+      return loss;
+    };
+  } else r.step = [model, optimizer, manager, raw](const at::Tensor& tokens) {
     const int64_t T = tokens.size(1) - 1;
     // model->loss: the vocab-parallel fused cross-entropy under tensor parallelism (no full logits).
     at::Tensor loss = model->loss(tokens.narrow(1, 0, T), tokens.narrow(1, 1, T));
@@ -331,8 +373,9 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
     }
     return loss.detach();
   };
-  r.finish = [overlap] {
+  r.finish = [overlap, graph] {
     if (overlap) overlap->remove();
+    if (graph) graph->reset();  // the graph holds NCCL work: gone before the communicators
     bmt::finalize();
   };
   r.memory_categories = [model, optimizer, gpu_optimizer, dp = r.data_parallel](bench::MemoryBreakdown& b) {
@@ -428,6 +471,7 @@ int run(const Args& a) {
                           (a.pp_schedule == "gpipe" ? " gpipe" : "");
   if (a.checkpointing) config += " ckpt";
   if (a.step_in_backward) config += " step-in-backward";
+  if (a.cuda_graphs) config += " cuda-graphs";
   if (a.offload) {
     if (a.offload_gpu_blocks > 0) config += " offload-gpu-blocks" + std::to_string(a.offload_gpu_blocks);
     else config += a.offload_blocks_only ? " offload-blocks" : " offload";
@@ -512,6 +556,8 @@ int run(const Args& a) {
   for (const at::Tensor& l : losses) std::printf(" %.4f", l.item<double>());
   // A skipped step (inf/NaN gradient) leaves the parameters as they were: say so next to the losses.
   std::printf("\nskipped steps (inf/NaN gradients): %ld\n", static_cast<long>(r.skipped_steps()));
+  const std::string graph_status = r.graph_status();
+  if (a.cuda_graphs) std::printf("cuda graphs: %s\n", graph_status.c_str());
   std::printf("RESULT framework=%s config=\"%s\" tokens_per_s=%.0f step_s=%.4f (median %.4f, min %.4f, max %.4f) "
               "mfu=%s peak_gpu_gib=%s (reserved %s) host_peak_gib=%.2f\n",
               a.framework.c_str(), config.c_str(), tokens_per_s, step_s, median_s, sorted.front(), sorted.back(),
@@ -543,6 +589,7 @@ int run(const Args& a) {
       << ",\"profile\":" << profile_json << ",\"offload_gpu_blocks\":" << a.offload_gpu_blocks << ",\"offload_grad_bf16\":" << (a.offload_grad_bf16 ? "true" : "false")
       << ",\"offload_async\":" << (a.offload_async ? "true" : "false")
       << ",\"step_in_backward\":" << (a.step_in_backward ? "true" : "false")
+      << ",\"cuda_graphs\":" << (a.cuda_graphs ? "true" : "false") << ",\"cuda_graphs_status\":" << json_str(graph_status)
       << ",\"pp\":" << r.pp
       << ",\"micro_batches\":" << r.micro_batches << ",\"pp_schedule\":" << json_str(a.pp_schedule)
       << ",\"bubble\":" << json_num(r.pp > 1 ? bubble : NAN, 4)

@@ -23,6 +23,7 @@ const char* kUsage =
     "                       [--offload-grad-bf16 (offload: gradients cross the bus rounded to bf16)]\n"
     "                       [--offload-async (offload: the next forward waits per Block for the CPU updates)]\n"
     "                       [--step-in-backward (GPU Adam per Block during the backward; fp32 gradients freed)]\n"
+    "                       [--cuda-graphs (bmt: forward + backward captured once, then replayed as a CUDA graph)]\n"
     "                       [--profile (2 extra steps under the profiler: GPU busy vs idle, top kernels)]\n"
     "                       [--memory-snapshot PATH (CUDA allocator history, for pytorch.org/memory_viz)]\n"
     "                       [--memory-breakdown (GPU bytes by category at the largest of the sampled moments)]\n"
@@ -83,6 +84,7 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--offload-async") a.offload_async = true;
     else if (f == "--step-in-backward") a.step_in_backward = true;
     else if (f == "--profile") a.profile = true;
+    else if (f == "--cuda-graphs") a.cuda_graphs = true;
     else if (f == "--raw-step") a.raw_step = true;
     else if (f == "--no-overlap") a.no_overlap = true;
     else if (f == "--force") a.force = true;
@@ -108,6 +110,9 @@ Args parse_args(int argc, char** argv) {
   if (a.micro_batches < 0) throw std::invalid_argument("--micro-batches must be >= 1");
   if (a.pp_schedule != "1f1b" && a.pp_schedule != "gpipe") throw std::invalid_argument("--pp-schedule must be 1f1b or gpipe");
   if (a.pp > 1 && (a.raw_step || a.offload)) throw std::invalid_argument("--pp needs the OptimManager without offload");
+  if (a.cuda_graphs && (a.framework != "bmt" || a.offload || a.step_in_backward || a.pp > 1))
+    throw std::invalid_argument("--cuda-graphs is for --framework bmt without --offload, --step-in-backward and --pp "
+                                "(their host work runs during the backward, which a replayed graph skips)");
   if (a.steps < 1 || a.warmup < 0) throw std::invalid_argument("--steps must be >= 1 and --warmup >= 0");
   if (a.seq < 0 || a.batch < 0) throw std::invalid_argument("--seq and --batch must be positive");
   if (a.device != "auto" && a.device != "cpu" && a.device != "cuda")

@@ -25,6 +25,7 @@ struct Args {
   bool offload_grad_bf16 = false;    // --offload-grad-bf16: gradients cross the bus in bf16
   bool step_in_backward = false;     // --step-in-backward: GPU Adam per Block during the backward, gradients freed
   bool offload_async = false;        // --offload-async: step() returns before the Blocks' CPU updates finish
+  bool cuda_graphs = false;          // --cuda-graphs: forward + backward replayed as one CUDA graph (CudaGraphStep)
   bool profile = false;              // --profile: 2 more steps under the Kineto profiler (GPU busy/idle, kernels)
   std::string json_path;
   std::string memory_snapshot;   // --memory-snapshot PATH: the CUDA allocator history, pickled (memory_report.h)

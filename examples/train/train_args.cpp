@@ -29,6 +29,9 @@ std::string train_usage() {
                       B must be a multiple of M); --pp-schedule 1f1b|gpipe
   --dtype D           parameter dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
   --checkpointing     recompute each block's forward in backward
+  --cuda-graphs       capture the forward + backward (ZeRO gathers and reductions included) as a CUDA graph
+                      after 2 eager steps and replay it (bmt::CudaGraphStep; the optimizer step stays eager);
+                      not with --pp; eager on CPUs (a notice)
   --eval-every K      held-out loss (and task accuracy) every K steps; --eval-batches N
   --save-every K --save-dir D    checkpoints every K steps and at the end: D/step_<n> (bmtrain's sharded,
                       checksummed format: model, optimizer, LR schedule, RNG; `bmt-ckpt verify D/step_<n>`)
@@ -110,6 +113,8 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       a.help = true;
     } else if (arg == "--checkpointing") {
       a.checkpointing = true;
+    } else if (arg == "--cuda-graphs") {
+      a.cuda_graphs = true;
     } else if (arg == "--resume") {
       a.resume = true;
     } else if (auto it = valued.find(arg); it != valued.end()) {
@@ -150,6 +155,8 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
   BMT_CHECK(a.zero == 2 || a.zero == 3, "--zero must be 2 or 3, got ", a.zero);
   BMT_CHECK(a.tp >= 1, "--tp must be >= 1, got ", a.tp);
   BMT_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
+  BMT_CHECK(!(a.cuda_graphs && a.pp > 1), "--cuda-graphs cannot be combined with --pp (the pipeline schedule's host "
+            "work runs between the micro-batches, which a replayed graph would skip); drop one of them");
   BMT_CHECK(a.micro_batches >= 0, "--micro-batches must be >= 1, got ", a.micro_batches);
   BMT_CHECK(a.pp_schedule == "1f1b" || a.pp_schedule == "gpipe", "--pp-schedule must be 1f1b or gpipe, got '",
             a.pp_schedule, "'");

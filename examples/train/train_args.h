@@ -25,6 +25,7 @@ struct TrainArgs {
   int micro_batches = 0;             // pipeline micro-batches per step (0: 2 x pp)
   std::string pp_schedule = "1f1b";  // 1f1b | gpipe
   bool checkpointing = false;
+  bool cuda_graphs = false;          // forward + backward replayed as one CUDA graph (bmt::CudaGraphStep)
   int64_t eval_every = -1, eval_batches = 4, task_rows = 256;
   int64_t save_every = 0;
   std::string save_dir = "checkpoints";

@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "bmt/core/error.h"
+#include "bmt/cuda_graph_step.h"
 #include "bmt/distributed.h"
 #include "bmt/memory_stats.h"
 #include "bmt/optim/adam.h"
@@ -67,6 +68,7 @@ struct Run {
   std::shared_ptr<LanguageModel> model;
   std::shared_ptr<bmt::optim::lr_scheduler::Cosine> scheduler;
   std::unique_ptr<bmt::optim::OptimManager> optim;
+  std::unique_ptr<bmt::CudaGraphStep> graph;  // --cuda-graphs: forward + backward (declared after what it uses)
   bool rank0 = false;
   double t_begin = 0;
   TrainResult result;
@@ -178,12 +180,24 @@ void train_loop(Run& run) {
   double tokens_done = 0;
   int64_t skipped_in_a_row = 0, last_good_step = result.start_step;
   bool save_due = false;
+  if (args.cuda_graphs && !run.model->pipelined()) {
+    bmt::optim::OptimManager* optim = run.optim.get();
+    LanguageModel* model = run.model.get();
+    const int64_t seq = s.seq;
+    run.graph = std::make_unique<bmt::CudaGraphStep>([optim, model, seq](const std::vector<at::Tensor>& in) {
+      at::Tensor loss = model->loss(in[0].narrow(1, 0, seq), in[0].narrow(1, 1, seq));
+      optim->backward(loss);
+      return std::vector<at::Tensor>{loss.detach()};
+    });
+  }
   for (int64_t step = result.start_step; step < s.stop; ++step) {
     const double t0 = now_s();
     at::Tensor tokens = run.data->train_batch(step, s.dp_rank, s.batch, s.seq).to(cfg.device);
     at::Tensor loss;
     if (run.model->pipelined()) {  // forward and backward over the micro-batches, stage by stage
       loss = run.model->pipeline_step(tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq), *run.optim);
+    } else if (run.graph) {  // the same forward + backward, replayed (captured after two eager steps)
+      loss = (*run.graph)({tokens}, run.optim->loss_scale())[0];
     } else {
       loss = run.model->loss(tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq));
       run.optim->backward(loss);

@@ -6,11 +6,13 @@
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
+#include <atomic>
 #include <map>
 #include <tuple>
 #include <mutex>
 
 #include "bmt/core/error.h"
+#include "bmt/cuda_graph_step.h"
 #include "bmt/inspect.h"
 #include "bmt/init.h"
 #include "bmt/memory_stats.h"
@@ -40,9 +42,14 @@ RngState save_rng() {
   RngState s;
   s.cpu = at::detail::getDefaultCPUGenerator().get_state();
   const Config& cfg = config();
-  if (cfg.device.is_cuda()) s.device = at::globalContext().defaultGenerator(cfg.device).get_state();
+  // Under CUDA graph capture the device generator's state cannot be read (and a replay would not re-run this host
+  // code anyway): CudaGraphStep turns graphs off when a recomputing step draws device random numbers.
+  if (cfg.device.is_cuda() && !current_stream_capturing(cfg.device))
+    s.device = at::globalContext().defaultGenerator(cfg.device).get_state();
   return s;
 }
+
+std::atomic<int64_t> g_recompute_count{0};
 
 void restore_rng(const RngState& s) {
   at::Generator cpu = at::detail::getDefaultCPUGenerator();
@@ -64,6 +71,10 @@ void free_bytes(const at::Tensor& t) {
 }
 
 }  // namespace
+
+namespace detail {
+int64_t block_recompute_count() { return g_recompute_count.load(); }
+}  // namespace detail
 
 struct Block::CallState : torch::CustomClassHolder {
   std::vector<at::Tensor> inputs;        // as given (recompute)
@@ -406,6 +417,7 @@ std::vector<at::Tensor> Block::run_backward(CallState& state, const std::vector<
   if (prev_in_list_ && prev_in_list_->zero_level_ == 3) prev_in_list_->prefetch();  // overlap on GPU
   std::vector<at::Tensor> graph_inputs, outputs;
   if (options_.use_checkpoint) {
+    g_recompute_count.fetch_add(1);
     RngState now = save_rng();
     restore_rng(state.rng);
     at::AutoGradMode enable(true);

@@ -3,6 +3,7 @@
 
 #include "bmt/block.h"
 #include "bmt/block_list.h"
+#include "bmt/cuda_graph_step.h"
 #include "bmt/distributed.h"
 #include "bmt/init.h"
 #include "bmt/inspect.h"

@@ -206,4 +206,10 @@ TEST(SmallFormats, TrainArgs) {
   EXPECT_NE(error_of([&] { examples::parse_train_args(3, bad5); }).find("--tp must be >= 1"), std::string::npos);
   const char* bad4[] = {"train_gpt", "--steps"};
   EXPECT_NE(error_of([&] { examples::parse_train_args(2, bad4); }).find("needs a value"), std::string::npos);
+  const char* graphs[] = {"train_gpt", "--cuda-graphs"};
+  EXPECT_TRUE(examples::parse_train_args(2, graphs).cuda_graphs);
+  EXPECT_FALSE(a.cuda_graphs);
+  const char* bad6[] = {"train_gpt", "--cuda-graphs", "--pp", "2"};
+  EXPECT_NE(error_of([&] { examples::parse_train_args(4, bad6); }).find("--cuda-graphs cannot be combined with --pp"),
+            std::string::npos);
 }

@@ -5,6 +5,7 @@
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/cross_entropy_internal.h"
 #include "bmt/core/kernels/thread_pool.h"
+#include "bmt/cuda_graph_step.h"
 #include "bmt/init.h"
 #include "bmt/tensor_adapter_internal.h"
 
@@ -278,9 +279,12 @@ at::Tensor fused_cross_entropy(const at::Tensor& logits_in, const at::Tensor& ta
     check_tp_agreement(logits, tgt, options.ignore_index, slice.total, comm);
   } else if (logits.is_cuda()) {
 #ifdef BMT_WITH_CUDA
-    resolve_pending_check();  // the previous call's verdict (raises for it)
     bad = bad_target_mask(tgt, options.ignore_index, c);
-    arm_pending_check(bad, tgt, c);
+    // Under CUDA graph capture the host check can neither wait nor be re-armed by a replay: only the NaN below.
+    if (!current_stream_capturing(logits.device())) {
+      resolve_pending_check();  // the previous call's verdict (raises for it)
+      arm_pending_check(bad, tgt, c);
+    }
 #endif
   } else if (bad_target_count(tgt, options.ignore_index, c).item<int64_t>() > 0) {
     throw_bad_target(tgt, options.ignore_index, c, "");

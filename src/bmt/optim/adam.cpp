@@ -69,8 +69,33 @@ void AdamOptimizer::step_params(const std::vector<at::Tensor>& params, double lo
   launch(chosen, loss_scale);
 }
 
+void AdamOptimizer::step_unless(double loss_scale, const at::Tensor& skip_flag) {
+  BMT_CHECK(skip_flag.defined() && skip_flag.is_cuda() && skip_flag.scalar_type() == at::kInt && skip_flag.numel() == 1,
+            "AdamOptimizer::step_unless: the skip flag must be a one-element int32 CUDA tensor");
+  skip_flag_ = skip_flag.data_ptr<int>();
+  try {
+    step(loss_scale);
+  } catch (...) {
+    skip_flag_ = nullptr;
+    throw;
+  }
+  skip_flag_ = nullptr;
+}
+
+void AdamOptimizer::undo_skipped_step() {
+  for (const void* key : last_stepped_) {
+    auto it = states_.find(key);
+    if (it != states_.end()) it->second.step -= 1;
+  }
+  for (const void* key : last_created_) states_.erase(key);  // as if never updated (the kernel wrote nothing)
+  last_stepped_.clear();
+  last_created_.clear();
+}
+
 void AdamOptimizer::launch(const std::vector<std::pair<at::Tensor, size_t>>& params, double loss_scale) {
   const float inv_scale = static_cast<float>(1.0 / loss_scale);
+  last_stepped_.clear();
+  last_created_.clear();
   std::vector<core::kernels::AdamTensorArgs> cpu_args;
   std::map<int, std::vector<core::kernels::AdamTensorArgs>> cuda_args;  // by device index
   std::vector<at::Tensor> grads;  // keeps contiguous copies alive until the kernels ran / were enqueued
@@ -79,8 +104,11 @@ void AdamOptimizer::launch(const std::vector<std::pair<at::Tensor, size_t>>& par
     at::Tensor grad = usable_grad(p);
     if (!grad.defined()) continue;
     grads.push_back(grad);
+    const void* key = p.unsafeGetTensorImpl();
+    if (!states_.count(key)) last_created_.push_back(key);
     AdamState& s = state_for(p);
     s.step += 1;
+    last_stepped_.push_back(key);
     core::kernels::AdamTensorArgs a = kernel_args(p.data_ptr(), p, grad, s, o);
     if (p.is_cpu()) {
       cpu_args.push_back(a);
@@ -89,12 +117,14 @@ void AdamOptimizer::launch(const std::vector<std::pair<at::Tensor, size_t>>& par
       cuda_args[p.device().index()].push_back(a);
     }
   }
+  BMT_CHECK(skip_flag_ == nullptr || cpu_args.empty(), "AdamOptimizer::step_unless: parameters on the CPU cannot "
+            "wait for a device flag; use step()");
   if (!cpu_args.empty())
     core::kernels::adam_cpu(cpu_args.data(), cpu_args.size(), inv_scale, core::kernels::ThreadPool::global());
 #ifdef BMT_WITH_CUDA
   for (auto& [device, args] : cuda_args) {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    core::kernels::adam_cuda(args.data(), args.size(), inv_scale, /*skip_flag_device=*/nullptr,
+    core::kernels::adam_cuda(args.data(), args.size(), inv_scale, skip_flag_,
                              c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
   }
 #else

@@ -28,6 +28,12 @@ class AdamOptimizer : public AdamBase {
   void step_params(const std::vector<at::Tensor>& params, double loss_scale = 1.0);
   // Parameters updated by step_params in the current iteration.
   size_t num_started() const { return started_.size(); }
+  // step(loss_scale) whose CUDA kernel does nothing if `skip_flag` (int32, one element, on the parameters' CUDA
+  // device) is non-zero when it runs: the update is queued before the host knows the verdict. When the verdict
+  // turns out non-zero, undo_skipped_step() takes back the step counts (and states) the update advanced (the
+  // kernel changed nothing). OptimManager::step uses it to queue the update ahead of its inf/NaN host read.
+  void step_unless(double loss_scale, const at::Tensor& skip_flag);
+  void undo_skipped_step();
 
   explicit AdamOptimizer(std::vector<at::Tensor> params, const AdamOptions& defaults = {});
   explicit AdamOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
@@ -43,6 +49,9 @@ class AdamOptimizer : public AdamBase {
   // Queues one fused update of `params` (those with a usable gradient).
   void launch(const std::vector<std::pair<at::Tensor, size_t>>& params, double loss_scale);
   std::unordered_set<const void*> started_;
+  const int* skip_flag_ = nullptr;        // set during step_unless only
+  std::vector<const void*> last_stepped_;  // states whose step count the last launch advanced
+  std::vector<const void*> last_created_;  // ... and those it created
 };
 
 }  // namespace bmt::optim

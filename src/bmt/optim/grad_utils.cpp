@@ -65,7 +65,7 @@ bool accumulate_inf_nan_flag(const std::vector<at::Tensor>& params, at::Tensor& 
   return host_found;
 }
 
-bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms,
+at::Tensor inf_nan_flag(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms,
                         bool local_found) {
   core::Communicator* first = nullptr;
   for (core::Communicator* c : comms)
@@ -82,7 +82,12 @@ bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector
               first->name(), "' and '", c->name(), "' live on different device kinds");
     all_reduce_in_place(flag, core::ReduceOp::kMax, c);
   }
-  return flag.item<float>() != 0.0f;
+  return flag;
+}
+
+bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms,
+                        bool local_found) {
+  return inf_nan_flag(params, comms, local_found).item<float>() != 0.0f;
 }
 
 double global_grad_norm(const std::vector<at::Tensor>& params, double norm_type, core::Communicator* comm) {

@@ -23,6 +23,10 @@ bool grads_have_inf_nan(const std::vector<at::Tensor>& params, core::Communicato
 // sharding groups of one Block's parameters.
 bool grads_have_inf_nan(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms,
                         bool local_found = false);
+// The same verdict without reading it on the host: a one-element float tensor (1 = some gradient is inf/NaN on some
+// rank, else 0), already all-reduced over `comms`, on the device of the first communicator's reductions.
+at::Tensor inf_nan_flag(const std::vector<at::Tensor>& params, const std::vector<core::Communicator*>& comms,
+                        bool local_found = false);
 // Without a collective or a host wait: ORs "some gradient of `params` is inf/NaN" into `device_flag` (an int32
 // one-element tensor on the gradients' CUDA device, created when undefined) for CUDA gradients; returns the answer
 // for CPU gradients.

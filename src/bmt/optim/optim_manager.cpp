@@ -156,7 +156,25 @@ bool OptimManager::step() {
             "was turned on (load_state_dict?) while the offload overlap is on; remove the OffloadOverlap handle or "
             "load a state without loss scaling");
   const bool early_nonfinite = overlap != nullptr && overlap->take_local_nonfinite();
-  if (grads_have_inf_nan(params, std::vector<core::Communicator*>{world_comm()}, early_nonfinite)) {
+  const at::Tensor flag = inf_nan_flag(params, std::vector<core::Communicator*>{world_comm()}, early_nonfinite);
+  // Every optimizer a GPU AdamOptimizer (no overlap): queue the updates behind the verdict on the device before the
+  // host reads it, so the GPU does not idle while the host prepares them after the read (the kernels skip
+  // themselves on inf/NaN; the host takes the step counts back below). Same results as updating after the read.
+  std::vector<AdamOptimizer*> queued;
+  bool queue_first = overlap == nullptr && flag.is_cuda() && !optimizers_.empty();
+  for (const auto& p : params) queue_first = queue_first && p.is_cuda();
+  for (const auto& opt : optimizers_) {
+    auto* adam = dynamic_cast<AdamOptimizer*>(opt.get());
+    queue_first = queue_first && adam != nullptr;
+    if (adam) queued.push_back(adam);
+  }
+  if (queue_first) {
+    const at::Tensor skip = flag.to(at::kInt);
+    for (AdamOptimizer* adam : queued) adam->step_unless(loss_scale_, skip);
+  }
+  if (flag.item<float>() != 0.0f) {
+    if (queue_first)
+      for (AdamOptimizer* adam : queued) adam->undo_skipped_step();
     if (overlap && !overlap->early_blocks().empty()) {
       const std::vector<std::string> early = overlap->early_blocks();
       const std::vector<std::string> held = overlap->nonfinite_blocks();
@@ -185,6 +203,7 @@ bool OptimManager::step() {
     return false;
   }
   for (const auto& opt : optimizers_) {
+    if (queue_first) break;  // already queued
     if (auto* bmt_opt = dynamic_cast<BmtOptimizer*>(opt.get())) {
       bmt_opt->step(loss_scale_);
     } else {

@@ -8,6 +8,9 @@
 //    skipped on every rank (no optimizer or scheduler step), gradients are zeroed, and the scale is divided by
 //    loss_scale_factor, never below min_loss_scale. After loss_scale_steps consecutive good steps it is multiplied
 //    by the factor, never above max_loss_scale. Scale changes are printed once (rank 0). A factor < 1 is inverted.
+//    When every optimizer is a GPU AdamOptimizer (and no overlap is on), the updates are queued on the device
+//    before the host reads the verdict, skipping themselves on inf/NaN (AdamOptimizer::step_unless): the GPU does
+//    not wait for the host to prepare them after the read. Same results, same return value.
 //  * bmtrain optimizers (BmtOptimizer) receive step(loss_scale) and unscale inside their kernel; torch optimizers
 //    get their gradients divided by the scale first.
 //  * grad_scale: 0 (default) = the data-parallel size, bmt::config().tp_zero_size (world / (tp * pipe)), after
