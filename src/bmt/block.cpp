@@ -6,6 +6,10 @@
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <algorithm>
 #include <map>
 #include <tuple>
@@ -229,6 +233,11 @@ void Block::build_storage() {
   point_at_shard();
   memory::add_shard_bytes(shard_nbytes());
   memory::add_grad_bytes(grad_nbytes());
+#if defined(__GLIBC__)
+  // The per-parameter shards just replaced go back to glibc's heap, which keeps their pages while longer-lived
+  // allocations sit between them: building llama-7b's layers on CPU grew ~30 MB per layer above the shards.
+  if (dev.is_cpu()) malloc_trim(0);
+#endif
 }
 
 int64_t Block::shard_nbytes() const {
