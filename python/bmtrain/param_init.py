@@ -1,4 +1,15 @@
-"""init_parameters and grouped_parameters (BMTrain's bmtrain.param_init)."""
+"""init_parameters and grouped_parameters (BMTrain's bmtrain.param_init), and the built-in initialisers that fill
+each rank's shard directly.
+
+Two paths (docs/python.md, "Initialisation"): an init_method that is a Python callable (torch.nn.init.normal_,
+a ParameterInitializer, any function of the full tensor: BMTrain's behaviour) runs on the whole tensor, one
+parameter at a time, with torch's generator; every rank draws every number and keeps its part. An init_method made
+here (normal, uniform, constant, zeros, ones, xavier_normal, xavier_uniform) is computed element by element from a
+counter-based stream keyed by (seed, the parameter's name, the element's index in the whole tensor): each rank
+computes only its shard, and the values are the same at every world and tensor-parallel size (but differ from
+torch.nn.init's). Pass a meta tensor as the DistributedParameter's data to build a model without any full tensor:
+    DistributedParameter(torch.empty(out, inp, device="meta", dtype=torch.bfloat16), init_method=normal(std=0.02))
+"""
 from collections import OrderedDict
 
 from . import _C
@@ -6,11 +17,41 @@ from ._holder import holder_of
 from .parameter import DistributedParameter
 
 
-def init_parameters(model):
-    """Runs every DistributedParameter's init_method on a full-size tensor generated on this rank (in
-    named_parameters order) and keeps the local shard: bit-identical to initialising the unwrapped model with the
-    same seed. Then reseeds so that data-parallel ranks draw different dropout masks."""
-    _C.init_parameters(holder_of(model, buffers=False))
+def init_parameters(model, seed=None, torch_generator=False):
+    """Initialises every DistributedParameter with an init_method (named_parameters order), then reseeds so that
+    data-parallel ranks draw different dropout masks. Built-in initialisers (this module's) fill shards from their
+    counter-based streams, seeded with `seed` (default: bmt.init_distributed's seed); Python callables run on the full
+    tensor with torch's generator, bit-identical to initialising the unwrapped model after the same
+    torch.manual_seed. torch_generator=True sends the built-in ones down the full-tensor path too."""
+    _C.init_parameters(holder_of(model, buffers=False), seed=seed, torch_generator=bool(torch_generator))
+
+
+def normal(mean=0.0, std=1.0):
+    return _C.init_normal(float(mean), float(std))
+
+
+def uniform(a=0.0, b=1.0):
+    return _C.init_uniform(float(a), float(b))
+
+
+def constant(val):
+    return _C.init_constant(float(val))
+
+
+def zeros():
+    return _C.init_constant(0.0)
+
+
+def ones():
+    return _C.init_constant(1.0)
+
+
+def xavier_normal(gain=1.0):
+    return _C.init_xavier_normal(float(gain))
+
+
+def xavier_uniform(gain=1.0):
+    return _C.init_xavier_uniform(float(gain))
 
 
 def grouped_parameters(model):

@@ -3,6 +3,7 @@
 #include "bmt/checkpoint/consolidated.h"
 #include "bmt/checkpoint/hf_dir.h"
 #include "bmt/init.h"
+#include "bmt/param_init.h"
 #include "bmt/param_registry.h"
 #include "bmt/parameter.h"
 #include "bmt/state_dict.h"
@@ -21,12 +22,21 @@ int param_state(const at::Tensor& p) {
   return m->block->is_gathered() ? kInRunningBlock : kInIdleBlock;
 }
 
+// A bmt::init initialiser in Python (bmtrain.param_init.normal(...) and friends). Given as a DistributedParameter's
+// init_method it reaches the engine unchanged, so init_parameters fills shards from its counter-based stream
+// (bmt/param_init.h); called on a tensor it fills it in place with torch's generator, like torch.nn.init.
+struct PyBuiltinInit {
+  InitMethod method;
+  std::string repr;
+};
+
 // Turns `target` (the tensor a Python DistributedParameter object holds) into a DistributedParameter whose value is
 // `data`: the full tensor, or with tp_mode this tp rank's piece of a tensor split along tp_split_dim (-1: replicated
 // over the tp group). Only this rank's shard is kept.
 void make_distributed(const at::Tensor& target, const at::Tensor& data, py::object init_method, bool tp_mode,
                       int tp_split_dim, std::shared_ptr<core::Communicator> comm) {
-  InitMethod init = make_init_method(std::move(init_method));
+  InitMethod init = py::isinstance<PyBuiltinInit>(init_method) ? init_method.cast<const PyBuiltinInit&>().method
+                                                                : make_init_method(std::move(init_method));
   py::gil_scoped_release release;
   const Config& cfg = config();
   at::Tensor created;
@@ -40,7 +50,7 @@ void make_distributed(const at::Tensor& target, const at::Tensor& data, py::obje
   } else {
     created = DistributedParameter(data.sizes(), data.scalar_type(), std::move(init), false, std::move(comm));
   }
-  scatter_full(created, data);
+  if (!data.is_meta()) scatter_full(created, data);  // meta: shape only, the shard stays zeros until init
   adopt_distributed_parameter(target, created);
 }
 
@@ -87,8 +97,39 @@ void bind_params(py::module_& m) {
   m.def("make_holder", [](const py::iterable& params, const py::iterable& buffers) {
     return make_holder(named_tensors(params), named_tensors(buffers));
   });
-  m.def("init_parameters", [](torch::nn::Module& holder) { init_parameters(holder); },
-        py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "init_parameters",
+      [](torch::nn::Module& holder, std::optional<uint64_t> seed, bool torch_generator) {
+        InitParametersOptions o;
+        o.seed = seed;
+        o.torch_generator = torch_generator;
+        init_parameters(holder, o);
+      },
+      py::arg("holder"), py::arg("seed") = py::none(), py::arg("torch_generator") = false,
+      py::call_guard<py::gil_scoped_release>());
+  py::class_<PyBuiltinInit>(m, "BuiltinInit")
+      .def("__call__", [](const PyBuiltinInit& self, at::Tensor t) {
+        {
+          at::NoGradGuard guard;
+          self.method(t);
+        }
+        return t;
+      })
+      .def("__repr__", [](const PyBuiltinInit& self) { return self.repr; });
+  auto builtin = [](InitMethod method, std::string repr) { return PyBuiltinInit{std::move(method), std::move(repr)}; };
+  m.def("init_normal", [=](double mean, double std) {
+    return builtin(init::normal(mean, std), core::concat("normal(mean=", mean, ", std=", std, ")"));
+  });
+  m.def("init_uniform", [=](double a, double b) {
+    return builtin(init::uniform(a, b), core::concat("uniform(a=", a, ", b=", b, ")"));
+  });
+  m.def("init_constant", [=](double v) { return builtin(init::constant(v), core::concat("constant(", v, ")")); });
+  m.def("init_xavier_normal", [=](double gain) {
+    return builtin(init::xavier_normal(gain), core::concat("xavier_normal(gain=", gain, ")"));
+  });
+  m.def("init_xavier_uniform", [=](double gain) {
+    return builtin(init::xavier_uniform(gain), core::concat("xavier_uniform(gain=", gain, ")"));
+  });
   m.def("state_dict", [](torch::nn::Module& holder, bool to_cpu) { return state_dict(holder, to_cpu); },
         py::arg("holder"), py::arg("to_cpu") = true, py::call_guard<py::gil_scoped_release>());
   m.def(

@@ -69,6 +69,7 @@ at::Tensor& Block::grad_shard_of(size_t gi) {
   // Not zeroed: the reduction that asked for it writes every element (grad_fresh), sparing a memset of the shard.
   g.grad_shard = at::empty({g.partition_numel}, g.grad_shard_options);
   g.grad_released = false;
+  g.grad_lazy = false;
   g.grad_fresh = true;
   memory::add_grad_bytes(g.grad_shard.nbytes());
   for (auto& s : slots_) {
@@ -84,6 +85,7 @@ void Block::release_gradients() {
   wait_for_gradient_reduction();  // the compute stream (whose allocations may reuse the bytes) after the reduction
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = *groups_[gi];
+    g.grad_lazy = false;  // released before its first use: reads see no gradient, as after any release
     if (g.grad_released || !g.grad_shard.defined()) continue;
     BMT_CHECK(!g.deferred_grad_full.defined(), "Block::release_gradients (", module_->name(), "): gradients of "
               "micro-batches accumulated under GradSyncGuard are not reduced yet; release them after the reduction");

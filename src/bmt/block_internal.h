@@ -23,9 +23,12 @@ struct Block::Group {
   int64_t used_numel = 0;       // packed length incl. alignment padding
   int64_t partition_numel = 0;  // shard length; the full buffer is partition_numel * comm->size()
   at::Tensor shard;
-  at::Tensor grad_shard;          // allocated when some parameter of the group requires grad
+  at::Tensor grad_shard;          // allocated on first use: the first reduction, or a main_grad read (zeros)
   at::TensorOptions grad_shard_options;  // dtype/device of grad_shard, kept while it is released
-  bool grad_released = false;     // grad_shard freed by release_gradients(); reallocated by the next reduction
+  bool grad_released = true;      // grad_shard not allocated (not yet, or freed by release_gradients()); the next
+                                  // reduction allocates it
+  bool grad_lazy = true;          // not allocated since construction: reading a main gradient allocates zeros
+                                  // (released gradients read as undefined instead)
   bool grad_fresh = false;        // grad_shard reallocated but not written yet (its reduction overwrites it)
   at::Tensor full;                // gathered buffer (only between gather and release)
   at::Tensor full_store;          // the one storage `full` uses (several ranks); its bytes are freed on release

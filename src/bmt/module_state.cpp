@@ -16,39 +16,6 @@ void wait_for_parameter_writers() { wait_all_pending_updates(); }
 
 }  // namespace
 
-void init_parameters(torch::nn::Module& module) {
-  wait_for_parameter_writers();
-  at::NoGradGuard guard;
-  for (auto& item : module.named_parameters(/*recurse=*/true)) {
-    const at::Tensor& p = item.value();
-    ParamMeta* m = find_meta(p);
-    if (!m || !m->init_method) continue;
-    // The whole logical tensor on every rank, so the random stream matches the unsplit model's.
-    at::Tensor full = at::empty(m->logical_shape(), at::TensorOptions().dtype(m->dtype).device(config().device));
-    m->init_method(full);
-    scatter_logical(p, full);
-  }
-  seed_per_data_parallel_rank();
-}
-
-void init_parameters_by_name(torch::nn::Module& module, uint64_t seed) {
-  wait_for_parameter_writers();
-  at::NoGradGuard guard;
-  for (auto& item : module.named_parameters(/*recurse=*/true)) {
-    const at::Tensor& p = item.value();
-    ParamMeta* m = find_meta(p);
-    if (!m || !m->init_method) continue;
-    uint64_t h = 1469598103934665603ull;  // FNV-1a of the name, mixed with the seed
-    for (unsigned char c : item.key()) h = (h ^ c) * 1099511628211ull;
-    at::manual_seed((h ^ (seed * 0x9E3779B97F4A7C15ull)) & ((uint64_t{1} << 63) - 1));
-    at::Tensor full = at::empty(m->logical_shape(), at::TensorOptions().dtype(m->dtype).device(config().device));
-    m->init_method(full);
-    scatter_logical(p, full);
-  }
-  at::manual_seed(seed);
-  seed_per_data_parallel_rank();
-}
-
 StateDict state_dict(torch::nn::Module& module, bool to_cpu) {
   wait_for_parameter_writers();
   StateDict out;

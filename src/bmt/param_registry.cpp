@@ -12,6 +12,7 @@ namespace {
 struct ParamRecord {
   std::shared_ptr<ParamMeta> meta;  // set for DistributedParameters only
   at::Tensor main_grad;
+  std::function<void()> allocate_main_grad;  // set_lazy_main_grad
   int replication = 0;  // 0 = not registered
 };
 
@@ -42,9 +43,29 @@ void set_main_grad(const at::Tensor& param, const at::Tensor& grad) {
   records().update(param, [&](ParamRecord& r) { r.main_grad = grad; });
 }
 
-at::Tensor main_grad(const at::Tensor& param) {
+void set_lazy_main_grad(const at::Tensor& param, std::function<void()> allocate) {
+  records().update(param, [&](ParamRecord& r) { r.allocate_main_grad = std::move(allocate); });
+}
+
+at::Tensor peek_main_grad(const at::Tensor& param) {
   at::Tensor g = records().read(param, [](const ParamRecord* r) { return r ? r->main_grad : at::Tensor(); });
   return g.defined() ? g : param.grad();
+}
+
+at::Tensor main_grad(const at::Tensor& param) {
+  std::function<void()> allocate;
+  at::Tensor g = records().read(param, [&](const ParamRecord* r) {
+    if (!r) return at::Tensor();
+    if (!r->main_grad.defined()) allocate = r->allocate_main_grad;
+    return r->main_grad;
+  });
+  if (g.defined()) return g;
+  if (allocate) {  // outside the registry's lock: it sets the main grads of the owner's parameters
+    allocate();
+    g = records().read(param, [](const ParamRecord* r) { return r ? r->main_grad : at::Tensor(); });
+    if (g.defined()) return g;
+  }
+  return param.grad();
 }
 
 void set_replication(const at::Tensor& param, int copies) {
@@ -61,6 +82,7 @@ void forget_param(const at::Tensor& param) {
   bool keep = false;
   records().update(param, [&](ParamRecord& r) {
     r.main_grad = at::Tensor();
+    r.allocate_main_grad = nullptr;
     r.replication = 0;
     keep = r.meta != nullptr;
   });

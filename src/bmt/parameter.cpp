@@ -6,6 +6,8 @@
 #include "bmt/core/error.h"
 #include "bmt/distributed.h"
 #include "bmt/init.h"
+#include "bmt/init_method_internal.h"
+#include "bmt/param_init.h"
 #include "bmt/param_registry.h"
 #include "bmt/param_registry_internal.h"
 #include "bmt/tensor_adapter_internal.h"
@@ -63,21 +65,29 @@ struct GatherParamFn : torch::autograd::Function<GatherParamFn> {
 
 }  // namespace
 
+namespace detail {
+void BuiltinInit::operator()(at::Tensor& full) const {
+  switch (kind) {
+    case Kind::kNormal: torch::nn::init::normal_(full, a, b); return;
+    case Kind::kUniform: torch::nn::init::uniform_(full, a, b); return;
+    case Kind::kConstant: torch::nn::init::constant_(full, a); return;
+    case Kind::kXavierNormal: torch::nn::init::xavier_normal_(full, a); return;
+    case Kind::kXavierUniform: torch::nn::init::xavier_uniform_(full, a); return;
+  }
+}
+}  // namespace detail
+
+// Built-ins are BuiltinInit values (not lambdas) so that init_parameters can recognise them (param_init.h).
 namespace init {
-InitMethod normal(double mean, double std) {
-  return [=](at::Tensor& t) { torch::nn::init::normal_(t, mean, std); };
-}
-InitMethod uniform(double low, double high) {
-  return [=](at::Tensor& t) { torch::nn::init::uniform_(t, low, high); };
-}
-InitMethod constant(double value) {
-  return [=](at::Tensor& t) { torch::nn::init::constant_(t, value); };
-}
+using detail::BuiltinInit;
+InitMethod normal(double mean, double std) { return BuiltinInit{BuiltinInit::Kind::kNormal, mean, std}; }
+InitMethod uniform(double low, double high) { return BuiltinInit{BuiltinInit::Kind::kUniform, low, high}; }
+InitMethod constant(double value) { return BuiltinInit{BuiltinInit::Kind::kConstant, value, 0.0}; }
 InitMethod zeros() { return constant(0.0); }
 InitMethod ones() { return constant(1.0); }
-InitMethod xavier_normal() {
-  return [](at::Tensor& t) { torch::nn::init::xavier_normal_(t); };
-}
+InitMethod xavier_normal() { return xavier_normal(1.0); }
+InitMethod xavier_normal(double gain) { return BuiltinInit{BuiltinInit::Kind::kXavierNormal, gain, 0.0}; }
+InitMethod xavier_uniform(double gain) { return BuiltinInit{BuiltinInit::Kind::kXavierUniform, gain, 0.0}; }
 }  // namespace init
 
 void reduce_over_tp(at::Tensor& grad_shard, TpGradReduce reduce) {

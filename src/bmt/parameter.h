@@ -48,7 +48,7 @@ class ParamOwner {
   ~ParamOwner() = default;
 };
 
-// Fills a full-size tensor in place; runs once per parameter in init_parameters().
+// Fills a full-size tensor in place (bmt::init's built-ins are recognised and fill shards instead: param_init.h).
 using InitMethod = std::function<void(at::Tensor& full)>;
 
 namespace init {
@@ -155,14 +155,14 @@ void reduce_over_tp(at::Tensor& grad_shard, TpGradReduce reduce);
 // Ranks of the world holding an identical copy of this parameter's local elements (bmt::replication).
 int replication_of(const ParamMeta& m);
 
-// Initialises every DistributedParameter of `module` (recursively, in named_parameters order) with its
-// init_method applied to a full-size tensor generated on this rank, keeping only the local shard, so the
-// result is bit-identical to initialising the unwrapped model with the same seed. At most one full parameter
-// exists at a time. Then reseeds per data-parallel rank (seed_per_data_parallel_rank). Implemented with
-// state_dict / load_state_dict in state_dict.cpp (module level).
+// Initialises every DistributedParameter of `module` that has an init method (named_parameters order): bmt::init's
+// initialisers fill this rank's shard directly from a counter-based stream (seed, name, element index), the same
+// values at every world/tp/pipe size; custom init methods run on the full logical tensor with torch's generator,
+// one parameter at a time, keeping the shard. Then reseeds per data-parallel rank (seed_per_data_parallel_rank).
+// Options (seed, torch_generator) and the details: bmt/param_init.h (param_init.cpp).
 void init_parameters(torch::nn::Module& module);
-// As init_parameters, but each parameter draws from its own generator state, seeded from `seed` and its name
-// (FNV-1a): the values depend only on the name, not on which other parameters this rank holds, so a pipelined
+// As init_parameters with `seed`, but custom init methods draw from a torch generator seeded from `seed` and the
+// name (FNV-1a): their values depend only on the name, not on which other parameters this rank holds, so a pipelined
 // model (each stage holds some layers) gets the same weights at every pipe_size. Then seeds per data-parallel rank.
 void init_parameters_by_name(torch::nn::Module& module, uint64_t seed);
 

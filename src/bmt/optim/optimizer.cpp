@@ -7,6 +7,7 @@
 #include "bmt/core/error.h"
 #include "bmt/init.h"
 #include "bmt/param_registry.h"
+#include "bmt/param_registry_internal.h"
 #include "bmt/stream_sync.h"
 
 namespace {
@@ -61,7 +62,7 @@ void BmtOptimizer::zero_grad(bool set_to_none) {
   for (auto& group : param_groups_) {
     for (auto& p : group.params()) {
       at::Tensor own = p.grad();
-      at::Tensor main = main_grad(p);
+      at::Tensor main = peek_main_grad(p);  // a Block gradient not allocated yet is zeros already
       if (main.defined() && !(own.defined() && main.is_same(own))) zero(main);
       if (!own.defined()) continue;
       if (set_to_none) {

@@ -1,4 +1,5 @@
 """state_dict / load_state_dict, bmt.save / bmt.load and init_parameters against plain torch."""
+import math
 import os
 
 import torch
@@ -7,6 +8,7 @@ import bmtrain as bmt
 from common import (OUT, assert_close, assert_equal, case, check_twins_simple, compare_state, device, expect_raises,
                     main, randn, rank, rank_input)
 from models import BMT, TORCH, make
+import philox_ref
 
 D, B = 6, 3
 
@@ -194,6 +196,60 @@ def parameter_without_init_keeps_data():
     model, ref = make(BMT).Net(D, 2, 70), make(TORCH).Net(D, 2, 70)
     bmt.init_parameters(model)
     compare_state(model, ref, exact=True, what="no init_method: ")
+
+
+@case
+def init_parameters_builtin_sharded():
+    """bmt.param_init's initialisers on meta-device parameters (no full tensor anywhere): every rank fills only its
+    shard, and the gathered values equal the closed-form stream (philox_ref, by name and logical index) at every
+    world size, so worlds 1, 2 and 4 agree bit for bit. A Python callable next to them keeps torch's generator."""
+    pi = bmt.param_init
+
+    def meta(*shape, dtype=torch.float32):
+        return torch.empty(*shape, device="meta", dtype=dtype)
+
+    class L(bmt.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.w = bmt.DistributedParameter(meta(7, 5), init_method=pi.normal(0.25, 0.5))
+            self.b = bmt.DistributedParameter(meta(11, dtype=torch.bfloat16), init_method=pi.uniform(-2.0, 1.0))
+            self.x = bmt.DistributedParameter(meta(3, 4), init_method=pi.xavier_normal(1.5))
+            self.y = bmt.DistributedParameter(meta(6, 2), init_method=pi.xavier_uniform())
+            self.c = bmt.DistributedParameter(meta(5), init_method=pi.ones())
+            self.t = bmt.DistributedParameter(meta(4, 3), init_method=torch.nn.init.normal_)
+
+        def forward(self, h):
+            return h
+
+    class Top(bmt.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.first = L()
+            self.layers = bmt.TransformerBlockList([bmt.Block(L()) for _ in range(2)])
+
+    model = Top()
+    torch.manual_seed(9)
+    bmt.init_parameters(model, seed=123)
+    torch.manual_seed(9)
+    sd = model.state_dict()
+    for name in sd:  # named_parameters order: the torch-generator ones draw in this order
+        leaf = name.rsplit(".", 1)[1]
+        shape = tuple(sd[name].shape)
+        if leaf == "w":
+            want = philox_ref.reference(name, shape, torch.float32, "normal", 0.25, 0.5, 123)
+        elif leaf == "b":
+            want = philox_ref.reference(name, shape, torch.bfloat16, "uniform", -2.0, 3.0, 123)
+        elif leaf == "x":
+            want = philox_ref.reference(name, shape, torch.float32, "normal", 0.0, philox_ref.xavier_std(shape, 1.5), 123)
+        elif leaf == "y":
+            bound = math.sqrt(3.0) * philox_ref.xavier_std(shape, 1.0)
+            want = philox_ref.reference(name, shape, torch.float32, "uniform", -bound, 2 * bound, 123)
+        elif leaf == "c":
+            want = torch.ones(shape)
+        else:
+            want = torch.empty(shape, device=device())
+            torch.nn.init.normal_(want)
+        assert_equal(f"init {name}", sd[name], want.cpu())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import bmtrain as bmt
-from common import OUT as OUT_DIR, Skip, assert_close, case, compare_state, device, main, rank, rank_input, world
+import philox_ref
+from common import (OUT as OUT_DIR, Skip, assert_close, assert_equal, case, compare_state, device, main, rank,
+                    rank_input, world)
 
 IN, HID, OUT, R = 6, 8, 5, 4  # R rows per rank (divisible by the chunk counts)
 
@@ -202,6 +204,33 @@ def vocab_parallel_embedding_and_loss():
     loss.backward()
     ref.backward()
     assert_close("parallel cross-entropy logits grad (this rank's slice)", local.grad, _split(full_ref.grad, 1, tp, me))
+
+
+@case
+def init_parameters_builtin_tp():
+    """Built-in initialisers on tensor-parallel pieces (split along dim 0 and dim 1) and a tp-replicated parameter:
+    each rank fills its piece's shard from the logical element indices, so the merged tensors equal the closed-form
+    stream of the unsplit tensor (the values a world-1 model gets)."""
+    tp, _ = _tp()
+    pi = bmt.param_init
+
+    class M(bmt.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.rows = bmt.DistributedParameter(torch.empty(HID // tp, IN, device="meta"),
+                                                 init_method=pi.normal(0.0, 1.0), tp_mode=True, tp_split_dim=0)
+            self.cols = bmt.DistributedParameter(torch.empty(IN, HID // tp, device="meta", dtype=torch.bfloat16),
+                                                 init_method=pi.uniform(-1.0, 1.0), tp_mode=True, tp_split_dim=1)
+            self.rep = bmt.DistributedParameter(torch.empty(5, device="meta"), init_method=pi.normal(1.0, 2.0))
+
+    m = M()
+    bmt.init_parameters(m, seed=7)
+    sd = m.state_dict()
+    wants = {"rows": philox_ref.reference("rows", (HID, IN), torch.float32, "normal", 0.0, 1.0, 7),
+             "cols": philox_ref.reference("cols", (IN, HID), torch.bfloat16, "uniform", -1.0, 2.0, 7),
+             "rep": philox_ref.reference("rep", (5,), torch.float32, "normal", 1.0, 2.0, 7)}
+    for name, want in wants.items():
+        assert_equal(f"tp init {name}", sd[name], want)
 
 
 if __name__ == "__main__":
