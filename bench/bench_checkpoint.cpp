@@ -691,8 +691,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bmt-bench-ckpt: %s\n", e.what());
     return e.code;
   } catch (const c10::Error& e) {
+    const bool debug = std::getenv("BMT_DEBUG") && std::string(std::getenv("BMT_DEBUG")) == "1";  // with the backtrace
     std::fprintf(stderr, "bmt-bench-ckpt: error: %s\n",
-                 std::string(e.what_without_backtrace()).substr(0, 2000).c_str());
+                 std::string(debug ? e.what() : e.what_without_backtrace()).substr(0, debug ? 20000 : 2000).c_str());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bmt-bench-ckpt: error: %s\n", e.what());
