@@ -20,6 +20,8 @@ namespace {
 using FileSpan = CheckpointReader::FileSpan;
 
 #ifdef BMT_WITH_CUDA
+std::string it_name(const InPlaceLoad* it) { return it ? it->entry->key : std::string("?"); }
+
 // Staging ring slots: two chunks being read (one batch ahead) and two being copied to the device.
 constexpr int kLoadRingChunks = 4;
 
@@ -31,6 +33,8 @@ void load_device(CheckpointReader& reader, int device, const std::vector<const I
     int64_t staged_offset;
     char* dst;
     int64_t nbytes;
+    const InPlaceLoad* item;  // copies merge only within one tensor: two allocations may be adjacent in
+                              // address space, and one cudaMemcpyAsync must not span two of them
   };
   struct Chunk {
     std::vector<FileSpan> spans;  // dst_offset: offset in the chunk
@@ -59,11 +63,12 @@ void load_device(CheckpointReader& reader, int device, const std::vector<const I
         }
         Chunk& ch = chunks.back();
         ch.spans.push_back({s.file, off, take, fill, nullptr});
-        if (!ch.copies.empty() && ch.copies.back().staged_offset + ch.copies.back().nbytes == fill &&
+        if (!ch.copies.empty() && ch.copies.back().item == it &&
+            ch.copies.back().staged_offset + ch.copies.back().nbytes == fill &&
             ch.copies.back().dst + ch.copies.back().nbytes == base + rel)
           ch.copies.back().nbytes += take;
         else
-          ch.copies.push_back({fill, base + rel, take});
+          ch.copies.push_back({fill, base + rel, take, it});
         fill = cut ? C : fill + take;
         off += take;
         rel += take;
@@ -97,8 +102,12 @@ void load_device(CheckpointReader& reader, int device, const std::vector<const I
     for (const Copy& c : chunks[k].copies) {
       const cudaError_t err = cudaMemcpyAsync(c.dst, host[slot]->data + c.staged_offset, static_cast<size_t>(c.nbytes),
                                               cudaMemcpyHostToDevice, side.stream());
-      BMT_CHECK(err == cudaSuccess, "checkpoint load: copying ", c.nbytes, " bytes to cuda:", device, " failed: ",
-                cudaGetErrorString(err));
+      if (err != cudaSuccess) {
+        // Clear the runtime's last error, or torch's next launch check reports it instead of this message.
+        (void)cudaGetLastError();
+        BMT_CHECK(false, "checkpoint load: copying ", c.nbytes, " bytes to cuda:", device, " (", it_name(c.item),
+                  ") failed: ", cudaGetErrorString(err));
+      }
     }
     freed[slot].record(side);
     slot_used[slot] = true;
