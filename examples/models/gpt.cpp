@@ -77,16 +77,7 @@ Gpt::Gpt(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarT
     scope.finish(*layer);  // LayerNorms and row-parallel biases replicated, before the Block packs them
     return bmt::make_block(layer.ptr(), block_options);
   };
-  if (pipelined) {
-    bmt::PipelineOptions po;
-    po.schedule = parallel.pipe_schedule;
-    pipe_ = register_module("layers", std::make_shared<bmt::PipelineTransformerBlockList>(config_.num_layers,
-                                                                                          make_layer, po));
-  } else {
-    std::vector<std::shared_ptr<bmt::Block>> blocks;
-    for (int64_t i = 0; i < config_.num_layers; ++i) blocks.push_back(make_layer(i));
-    layers = register_module("layers", std::make_shared<bmt::TransformerBlockList>(blocks));
-  }
+  layers = register_layers(config_.num_layers, make_layer, parallel);
   if (last) ln_f = register_module("ln_f", bmt::nn::LayerNorm(config_.dim, config_.norm_eps, dtype));
   if (pipelined) {
     tp.root().finish(*this);  // plan entries of other stages' modules match nothing here

@@ -147,6 +147,20 @@ at::Tensor LanguageModel::full_vocab_logits(const at::Tensor& logits) {
   return at::cat(all.unbind(0), -1);
 }
 
+std::shared_ptr<bmt::TransformerBlockList> LanguageModel::register_layers(int64_t num_layers,
+                                                                          const bmt::BlockFactory& make_layer,
+                                                                          const ParallelOptions& parallel) {
+  if (bmt::config().topology.pipe_size > 1) {
+    bmt::PipelineOptions po;
+    po.schedule = parallel.pipe_schedule;
+    pipe_ = register_module("layers", std::make_shared<bmt::PipelineTransformerBlockList>(num_layers, make_layer, po));
+    return nullptr;
+  }
+  std::vector<std::shared_ptr<bmt::Block>> blocks;
+  for (int64_t i = 0; i < num_layers; ++i) blocks.push_back(make_layer(i));
+  return register_module("layers", std::make_shared<bmt::TransformerBlockList>(blocks));
+}
+
 bmt::nn::TpPlan LanguageModel::plan_for(const ParallelOptions& parallel, const bmt::nn::TpPlan& default_plan) const {
   if (parallel.tp_plan) return *parallel.tp_plan;
   config().validate_tensor_parallel(bmt::config().tp_size);

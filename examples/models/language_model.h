@@ -127,6 +127,10 @@ class LanguageModel : public torch::nn::Module {
   bmt::PipelineTransformerBlockList::Step pipeline_callbacks(const at::Tensor& ids, const at::Tensor& targets);
   at::Tensor pipeline_eval_loss(const at::Tensor& ids, const at::Tensor& targets);
   std::shared_ptr<bmt::PipelineTransformerBlockList> pipe_;
+  // Builds the num_layers Blocks of make_layer and registers them as "layers": with pipe_size > 1 this stage's
+  // part as pipe_ (returns null), else a TransformerBlockList of all of them (returned).
+  std::shared_ptr<bmt::TransformerBlockList> register_layers(int64_t num_layers, const bmt::BlockFactory& make_layer,
+                                                             const ParallelOptions& parallel);
   // The architecture's plan unless ParallelOptions::tp_plan gives one; with the default plan also checks that
   // tp_size divides the config's sizes (ModelConfig::validate_tensor_parallel).
   bmt::nn::TpPlan plan_for(const ParallelOptions& parallel, const bmt::nn::TpPlan& default_plan) const;

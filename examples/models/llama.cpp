@@ -88,16 +88,7 @@ Llama::Llama(const ModelConfig& config, const ParallelOptions& parallel, at::Sca
     scope.finish(*layer);  // the RMSNorms replicated, before the Block packs them
     return bmt::make_block(layer.ptr(), block_options);
   };
-  if (pipelined) {
-    bmt::PipelineOptions po;
-    po.schedule = parallel.pipe_schedule;
-    pipe_ = register_module("layers", std::make_shared<bmt::PipelineTransformerBlockList>(config_.num_layers,
-                                                                                          make_layer, po));
-  } else {
-    std::vector<std::shared_ptr<bmt::Block>> blocks;
-    for (int64_t i = 0; i < config_.num_layers; ++i) blocks.push_back(make_layer(i));
-    layers = register_module("layers", std::make_shared<bmt::TransformerBlockList>(blocks));
-  }
+  layers = register_layers(config_.num_layers, make_layer, parallel);
   if (last) {
     norm = register_module("norm", bmt::nn::RMSNorm(config_.dim, config_.norm_eps, dtype));
     output = tp.root().linear(*this, "output", config_.dim, config_.vocab_size, false, dtype);
