@@ -3,7 +3,8 @@
 // (data parallel W / N, ZeRO-3), and writes, for test_hf_import.py:
 //   OUT_DIR/logits.bin        (rank 0) float32 (rows, T, vocab) of the ids in IDS_TXT (one row per line)
 //   OUT_DIR/stats-<rank>.txt  "bytes_copied bytes_needed files_mapped" of this rank's import
-// A vocabulary tp does not divide is padded with zero rows; the logits keep the HF vocabulary's columns.
+// A vocabulary tp does not divide is padded with zero rows; the logits keep the HF vocabulary's columns. Runs on
+// the device bmt::init_distributed picks (a GPU with NCCL where one is visible).
 // --export DIR writes our Hugging Face export of the loaded model (export/hf_llama.h: either architecture).
 #include <cstdio>
 #include <cstring>
@@ -60,7 +61,10 @@ int main(int argc, char** argv) {
   at::Tensor logits;
   {
     at::NoGradGuard no_grad;
-    logits = model->full_vocab_logits(model->forward(ids)).narrow(-1, 0, vocab).contiguous();
+    logits = model->full_vocab_logits(model->forward(ids.to(bmt::config().device)))
+                 .narrow(-1, 0, vocab)
+                 .to(at::kCPU)
+                 .contiguous();
   }
   if (bmt::config().rank == 0)
     std::ofstream(pos[2] + "/logits.bin", std::ios::binary)

@@ -6,7 +6,12 @@ model.safetensors and sharded (model.safetensors.index.json). Our model (hf_impo
 world 1, dp 2 and tp 2; its logits must equal transformers' (fp32, 1e-4). Under tp 2 and dp 2 each rank must copy
 exactly the bytes of its shards (counted by the reader) and less than the whole model. train_gpt --init-from
 fine-tunes a few steps and exports; transformers loads the export and gives the logits of our model loaded from it,
-and the weights moved. Run through CTest (it sets BMT_HF_IMPORT_TOOL, BMTRUN and TRAIN_GPT)."""
+and the weights moved. Run through CTest (it sets BMT_HF_IMPORT_TOOL, BMTRUN and TRAIN_GPT).
+
+On a GPU machine (BMT_HF_IMPORT_ON_GPU=1, scripts/gpu_check.sh) our side runs on the GPUs over NCCL, one rank per
+GPU: the cases needing more ranks than GPUs skip saying so, and the fine-tuning runs on as many ranks as there are
+GPUs (at most 2). Transformers' reference stays on the CPU in fp32; TF32 is off in both (LibTorch's default), so the
+1e-4 bound holds there too."""
 import json
 import os
 import re
@@ -25,6 +30,17 @@ if not (TOOL and BMTRUN and TRAIN_GPT):
     pytest.skip("BMT_HF_IMPORT_TOOL / BMTRUN / TRAIN_GPT not set: run this test through ctest", allow_module_level=True)
 
 VOCAB, SEQ = 128, 12
+ON_GPU = os.environ.get("BMT_HF_IMPORT_ON_GPU") == "1"
+if ON_GPU and not torch.cuda.is_available():
+    pytest.skip("BMT_HF_IMPORT_ON_GPU=1 but torch sees no GPU", allow_module_level=True)
+NGPU = torch.cuda.device_count() if ON_GPU else 0
+
+
+def ranks(wanted):
+    """Ranks for a case that wants `wanted` (CPU: always; GPU: skip when there are fewer GPUs)."""
+    if ON_GPU and wanted > NGPU:
+        pytest.skip(f"needs {wanted} GPUs, {NGPU} visible")
+    return wanted
 
 
 def make_model(arch, vocab=VOCAB):
@@ -70,6 +86,7 @@ def transformers_logits(path, ids):
 
 
 def run_tool(hf_dir, ids_file, out, nproc, tp, export=None):
+    nproc = ranks(nproc)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [BMTRUN, "--nproc", str(nproc), TOOL, str(hf_dir), str(ids_file), str(out), "--tp", str(tp)]
     if export:
@@ -153,7 +170,8 @@ def test_fine_tune_and_export(hf_dirs, tmp_path, arch, tp):
     root, dirs, ids = hf_dirs
     src = dirs[arch][1]
     out = tmp_path / "export"
-    cmd = [BMTRUN, "--nproc", "2", TRAIN_GPT, "--init-from", str(src), "--tp", str(tp), "--steps", "3",
+    nproc = ranks(max(tp, min(NGPU, 2))) if ON_GPU else 2  # on GPUs: one rank per GPU, at most 2
+    cmd = [BMTRUN, "--nproc", str(nproc), TRAIN_GPT, "--init-from", str(src), "--tp", str(tp), "--steps", "3",
            "--batch", "4", "--seq", "16", "--lr", "1e-3", "--warmup", "0", "--eval-batches", "1", "--task-rows", "16",
            "--eval-every", "1000", "--samples", "0", "--progress", "lines", "--log-every", "1", "--export-hf", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -185,6 +203,7 @@ def test_fine_tune_under_pipeline_matches_pp1(hf_dirs, arch):
               "1e-3", "--warmup", "0", "--eval-batches", "1", "--task-rows", "16", "--eval-every", "1000",
               "--samples", "0", "--progress", "lines", "--log-every", "1"]
     losses = {}
+    ranks(2)
     for nproc, extra in ((1, []), (2, ["--pp", "2", "--micro-batches", "2"])):
         r = subprocess.run([BMTRUN, "--nproc", str(nproc)] + common + extra, capture_output=True, text=True,
                            timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
