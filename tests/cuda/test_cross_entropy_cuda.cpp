@@ -9,6 +9,7 @@
 #include <torch/cuda.h>
 
 #include <string>
+#include <vector>
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/cross_entropy_internal.h"
@@ -83,13 +84,17 @@ TEST(CudaCrossEntropy, KernelsMatchCpuTwin) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(1);
   for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    for (int64_t cols : {1, 7, 1001, 50257}) {
+    // 1, 7, 1001, 50257: one element at a time; 1000, 4096, 50304: 16-byte accesses (cols % 8 == 0).
+    for (int64_t cols : {1, 7, 1001, 50257, 1000, 4096, 50304}) {
       const int64_t n = 37;
       at::Tensor x = (at::randn({n, cols}) * 4).to(dtype);
       at::Tensor t = at::randint(0, cols, {n}, at::kLong);
       t.index_put_({at::arange(0, n, 5)}, -100);
-      compare_kernels(x, t, 0, cols, 0.1f, cols == 1001);
+      compare_kernels(x, t, 0, cols, 0.1f, cols == 1001 || cols == 4096);
     }
+    // Ascending logits: the one-pass statistics rescale their running sums at almost every step.
+    at::Tensor ascending = (at::arange(4096, at::kFloat) * 0.01).repeat({3, 1}).to(dtype);
+    compare_kernels(ascending, at::tensor(std::vector<int64_t>{0, 4095, 2000}), 0, 4096, 0.0f, false);
     // A vocabulary slice (targets in and out of it) with a large common offset.
     at::Tensor x = (at::randn({50, 333}) * 10 + (dtype == at::kHalf ? 2e4 : 1e4)).to(dtype);
     at::Tensor t = at::randint(0, 1000, {50}, at::kLong);
