@@ -60,8 +60,8 @@ struct GpuTrainer {
 
 TEST(CkptLoadCuda, StateLoadsIntoGpuTensorsThroughPinnedStaging) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  // The path under test is opt-in on GPU ranks (sharded_checkpoint.cpp says why); the ranks inherit this.
-  ::setenv("BMT_CKPT_LOAD_IN_PLACE", "1", 1);
+  // The default path; a BMT_CKPT_LOAD_IN_PLACE=0 left in the environment would test the old one.
+  ::unsetenv("BMT_CKPT_LOAD_IN_PLACE");
   const std::string dir = "/tmp/bmt_ckpt_load_cuda_" + std::to_string(::getpid());
   bmt::InitOptions init = bmt::testing::test_init();
   init.backend = bmt::Backend::kNccl;

@@ -5,8 +5,8 @@
 // numerics: bf16 parameters and activations, fp32 master weights and fp32 gradient sums, our AdamW formula). Every
 // per-step loss must agree within 1e-2 (the reason is in tests/examples/test_fidelity_multirank.cpp: one bf16 ulp
 // of the logits, 2^-8·|z|, coherently, is ~1e-2 of loss; here at 124M the logits stay within |z| <~ 3 as well), or
-// within three times the reference's own run-to-run spread so far where that is larger (after the step-12 spike; see the
-// test body).
+// within twice the spread of an ensemble of the reference's own re-runs so far where that is larger (after the
+// spike, where the recipe turns chaotic; see the test body).
 //
 // Also printed (not checked): the benchmark's plain-LibTorch path (bench/plain_gpt.h: fp32 parameters, bf16
 // autocast, fused AdamW) from the SAME initial values. The step-12 jump of the benchmark (ours 11.64 against plain
@@ -15,7 +15,10 @@
 // init also jumps, it was the different initial values of the two benchmark paths.
 //
 // Kernels are made deterministic (at::globalContext().setDeterministicAlgorithms, CUBLAS_WORKSPACE_CONFIG) so
-// that the comparison is not blurred by atomics; BMT_FIDELITY_DETERMINISTIC=0 turns that off. BMT_FIDELITY_STEPS /
+// that the comparison is not blurred by atomics. BMT_FIDELITY_DETERMINISTIC=2 (default) is torch's strict mode: an
+// op without a deterministic kernel throws, and SDPA's attention backends (flash, cuDNN, memory-efficient) switch
+// to their deterministic backward, which they do not in the warn-only mode (=1, the mode of sessions 5-6, where
+// the reference's re-run spread set the bound); =0 turns both off. BMT_FIDELITY_STEPS /
 // BMT_FIDELITY_BATCH override 50 / 16. Run: build-cuda/tests/cuda/bmt_fidelity_cuda_tests (or
 // scripts/gpu_fidelity_check.sh BUILD_DIR).
 #include <gtest/gtest.h>
@@ -91,7 +94,7 @@ std::vector<double> run_plain_autocast(const fidelity::Case& c, const bmt::State
 
 TEST(FidelityCuda, Gpt124mMatchesTheSameNumericsReferenceFor50Steps) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device";
-  const bool deterministic = env_int("BMT_FIDELITY_DETERMINISTIC", 1) != 0;
+  const int deterministic = env_int("BMT_FIDELITY_DETERMINISTIC", 2);
   if (deterministic) setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);  // before cuBLAS starts
   bmt::InitOptions init = bmt::testing::test_init();
   init.backend = bmt::Backend::kAuto;  // NCCL on the GPU
@@ -103,7 +106,7 @@ TEST(FidelityCuda, Gpt124mMatchesTheSameNumericsReferenceFor50Steps) {
   setenv("MASTER_PORT", std::to_string(port.port()).c_str(), 1);
   bmt::init_distributed(init);
   {
-    if (deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+    if (deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/deterministic == 1);
     fidelity::Case c;
     c.model = fidelity::with_vocab(examples::find_preset("gpt2-124m").model, 50304);
     c.model.arch = "gpt";
@@ -112,20 +115,29 @@ TEST(FidelityCuda, Gpt124mMatchesTheSameNumericsReferenceFor50Steps) {
     c.steps = env_int("BMT_FIDELITY_STEPS", 50);
     const bmt::StateDict initial = fidelity::initial_state(c);
     const fidelity::Trace ref = fidelity::run_reference(c, initial);
-    // The reference again: cuDNN's attention backward stays non-deterministic even in deterministic mode, and after
-    // the step-12 loss spike (which the reference has too) such last-bit differences grow step by step (measured on
-    // an H200: ~1e-4 before the spike, up to ~5e-2 by step 49 between our own variants). The reference's distance
-    // from itself is the noise floor of this comparison: ours must stay within max(1e-2, 3 x that floor so far). One
-    // re-run samples the spread once, and the offload variant's CPU Adam rounds differently from the GPU kernel (one
-    // more perturbation of the same size): measured on an H200, 2x was exceeded once by that variant (0.049 vs
-    // 2 x 0.0175 at step 43), 3x holds with room.
-    const fidelity::Trace ref2 = fidelity::run_reference(c, initial);
+    // The noise floor. This recipe (lr 3e-4, no warm-up, random tokens) turns chaotic after its loss spike (step
+    // 10-12): any last-bit difference grows step by step, to ~0.1-0.3 of loss by step 49 (measured on an H200,
+    // 2026-12-01: the strictly deterministic reference against the same reference with the attention backward's
+    // non-deterministic atomics). Ours differs from the reference in summation orders (fused kernels, fp32 shard
+    // accumulation, CPU Adam), i.e. by such last-bit differences, so after the spike no fixed bound can hold, and one
+    // re-run samples the spread too thinly (3x one sample was exceeded once in 3 runs). So the reference runs
+    // kReruns more times with the attention backward's atomics on (warn-only mode) - an ensemble of equally valid
+    // executions - and ours must stay within max(1e-2, 2 x the ensemble's widest pairwise spread so far) at every
+    // step. Before the spike that is 1e-2 (ours agree with the reference to ~2e-4 there).
+    constexpr int kReruns = 3;
+    std::vector<fidelity::Trace> ensemble{ref};
+    if (deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+    for (int r = 0; r < kReruns; ++r) ensemble.push_back(fidelity::run_reference(c, initial));
+    if (deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/deterministic == 1);
+    const fidelity::Trace& ref2 = ensemble[1];
     torch::cuda::synchronize();
     std::vector<double> bound(static_cast<size_t>(c.steps));
     double floor_so_far = 0;
     for (int s = 0; s < c.steps; ++s) {
-      floor_so_far = std::max(floor_so_far, std::abs(ref.loss[s] - ref2.loss[s]));
-      bound[static_cast<size_t>(s)] = std::max(1e-2, 3 * floor_so_far);
+      for (size_t i = 0; i < ensemble.size(); ++i)
+        for (size_t j = i + 1; j < ensemble.size(); ++j)
+          floor_so_far = std::max(floor_so_far, std::abs(ensemble[i].loss[s] - ensemble[j].loss[s]));
+      bound[static_cast<size_t>(s)] = std::max(1e-2, 2 * floor_so_far);
     }
     const std::vector<double> plain = run_plain_autocast(c, initial);
     std::vector<std::pair<std::string, fidelity::Trace>> ours;
@@ -133,11 +145,12 @@ TEST(FidelityCuda, Gpt124mMatchesTheSameNumericsReferenceFor50Steps) {
       ours.emplace_back(v.name, fidelity::run_ours(c, v, initial));
       for (int s = 0; s < c.steps; ++s)
         EXPECT_LE(std::abs(ours.back().second.loss[s] - ref.loss[s]), bound[static_cast<size_t>(s)])
-            << v.name << " step " << s << " (reference re-run differs by " << std::abs(ref.loss[s] - ref2.loss[s]) << ")";
+            << v.name << " step " << s << " (the reference's re-runs differ from it by up to " << bound[static_cast<size_t>(s)] / 2
+            << " so far)";
     }
     std::printf("fidelity gpt2-124m seq %ld batch %ld bf16, %d steps, deterministic %d (skipped / loss scale: ours "
                 "and reference, OptimManager without loss scaling)\nstep  reference", static_cast<long>(c.model.max_seq_len),
-                static_cast<long>(c.batch), c.steps, static_cast<int>(deterministic));
+                static_cast<long>(c.batch), c.steps, deterministic);
     for (auto& [name, t] : ours) std::printf("  %s", name.c_str());
     std::printf("  plain-autocast(same init)  skipped(ref,ours...)  scale(ref,ours)  reference-rerun  bound\n");
     for (int s = 0; s < c.steps; ++s) {
@@ -148,7 +161,13 @@ TEST(FidelityCuda, Gpt124mMatchesTheSameNumericsReferenceFor50Steps) {
       std::printf("  %g,%g  %.5f  %.3g\n", ref.scale_before[s], ours[0].second.scale_before[s], ref2.loss[s],
                   bound[static_cast<size_t>(s)]);
     }
-    for (auto& [name, t] : ours) std::printf("max |ours - reference| %s: %.3e\n", name.c_str(), fidelity::max_abs_diff(t, ref));
+    for (auto& [name, t] : ours) {
+      int first = -1;  // the first step where this variant and the reference differ by more than 1e-3
+      for (int s = 0; s < c.steps && first < 0; ++s)
+        if (std::abs(t.loss[s] - ref.loss[s]) > 1e-3) first = s;
+      std::printf("max |ours - reference| %s: %.3e (first step above 1e-3: %d)\n", name.c_str(),
+                  fidelity::max_abs_diff(t, ref), first);
+    }
     std::fflush(stdout);
   }
   bmt::finalize();

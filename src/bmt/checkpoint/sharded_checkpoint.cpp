@@ -50,17 +50,16 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// Reading straight into the live tensors (checksummed blocks in parallel, one pass). BMT_CKPT_LOAD_IN_PLACE=1 / 0
-// forces it on / off; unset, it is on for CPU ranks only: on the H200 the GPU destination path (pinned ring +
-// cudaMemcpyAsync) passed at 124M (8.0 GB/s warm) but failed at gpt-1.3b with "CUDA error: invalid argument"
-// surfacing after the load (2026-12-01, not yet found), so GPU ranks keep the per-tensor read + copy by default.
-bool load_in_place_enabled(const c10::Device& device) {
+// Reading straight into the live tensors (checksummed blocks in parallel, one pass), on CPU and GPU ranks alike
+// (GPU destinations go through the pinned ring + cudaMemcpyAsync; confirmed on an H200 at gpt2-124m and gpt-1.3b,
+// 2026-12-01). BMT_CKPT_LOAD_IN_PLACE=0 restores the per-tensor read + copy, for comparisons.
+bool load_in_place_enabled() {
   static const int forced = [] {
     const char* e = std::getenv("BMT_CKPT_LOAD_IN_PLACE");
     if (!e || !*e) return -1;
     return std::string(e) == "0" ? 0 : 1;
   }();
-  return forced >= 0 ? forced == 1 : !device.is_cuda();
+  return forced != 0;
 }
 
 // A damaged checkpoint (as opposed to one that does not match the training state).
@@ -280,7 +279,7 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
     for (size_t i = 0; i < state.components.size(); ++i)
       component_sds.push_back(provider_state_from(state.components[i].first, *state.components[i].second, names, rank,
                                                   world, *reader, errors,
-                                                  load_in_place_enabled(cfg.device) ? &component_deferred[i] : nullptr));
+                                                  load_in_place_enabled() ? &component_deferred[i] : nullptr));
     for (const auto& c : state.components) {
       bool found = false;
       for (const EntryMeta& e : reader->metadata().entries) {
@@ -316,7 +315,7 @@ LoadInfo load(const std::string& dir, TrainingState& state, const LoadOptions& o
     const auto t_model = Clock::now();
     std::vector<InPlaceLoad> in_place;
     for (auto& [t, e] : model_work) {
-      if (load_in_place_enabled(cfg.device) && stored_like(*e, t.range) &&
+      if (load_in_place_enabled() && stored_like(*e, t.range) &&
           can_load_in_place(*e, t.range.begin, t.range.end, t.dst)) {
         in_place.push_back({e, t.range.begin, t.range.end, t.dst});
       } else {
