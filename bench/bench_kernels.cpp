@@ -57,6 +57,8 @@ int main(int argc, char** argv) {
   const bench::KernelTimer timer(iters);
   const std::vector<std::pair<std::string, void (*)(const bench::KernelTimer&)>> suites = {
       {"cross_entropy", bench::bench_cross_entropy},
+      {"column_sum", bench::bench_column_sum},
+      {"layer_norm_grads", bench::bench_layer_norm_grads},
   };
   for (const auto& [name, fn] : suites)
     if (only.empty() || only == name) fn(timer);

@@ -29,5 +29,7 @@ void report_kernel(const std::string& suite, const std::string& shape, double ou
 
 // Suites (one per bench_kernels_<family>.cpp).
 void bench_cross_entropy(const KernelTimer& timer);
+void bench_column_sum(const KernelTimer& timer);
+void bench_layer_norm_grads(const KernelTimer& timer);
 
 }  // namespace bench

@@ -9,6 +9,7 @@
 #include "bmt/inspect.h"
 #include "bmt/memory_stats.h"
 #include "bmt/loss/fused_cross_entropy.h"
+#include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/layers.h"
 #include "bmt/nn/parallel_layers.h"
 #include "bmt/nn/planned_layers.h"

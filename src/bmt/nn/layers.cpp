@@ -1,6 +1,7 @@
 #include "bmt/nn/layers.h"
 
 #include "bmt/core/error.h"
+#include "bmt/nn/fused_reductions.h"
 
 namespace bmt::nn {
 
@@ -12,7 +13,7 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, at::ScalarType d
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
-  return at::linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor());
+  return nn::linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor());
 }
 
 LayerNormImpl::LayerNormImpl(int64_t d, double e, at::ScalarType dtype, bool with_bias) : dim(d), eps(e) {
@@ -21,7 +22,7 @@ LayerNormImpl::LayerNormImpl(int64_t d, double e, at::ScalarType dtype, bool wit
 }
 
 at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
-  return at::layer_norm(x, {dim}, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), eps);
+  return nn::layer_norm(x, dim, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), eps);
 }
 
 RMSNormImpl::RMSNormImpl(int64_t d, double e, at::ScalarType dtype) : dim(d), eps(e) {

@@ -5,6 +5,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/init.h"
+#include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/tp_ops.h"
 
 namespace bmt::nn {
@@ -46,7 +47,7 @@ at::Tensor ColumnParallelLinearImpl::input_of(const at::Tensor& x) const {
 }
 
 at::Tensor ColumnParallelLinearImpl::forward_input(const at::Tensor& input) {
-  at::Tensor y = at::linear(input, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor());
+  at::Tensor y = nn::linear(input, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor());
   return gather_output ? tp::gather_last_dim(y) : y;
 }
 

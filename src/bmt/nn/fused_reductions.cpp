@@ -1,0 +1,189 @@
+#include "bmt/nn/fused_reductions.h"
+
+#include <torch/autograd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "bmt/core/error.h"
+#include "bmt/core/kernels/column_reduce_internal.h"
+#include "bmt/tensor_adapter_internal.h"
+
+#ifdef BMT_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace bmt::nn {
+namespace {
+
+namespace k = core::kernels;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::atomic<int> g_enabled{-1};  // -1: not yet read from the environment
+
+bool supported_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+bool any_requires_grad(std::initializer_list<const at::Tensor*> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : ts)
+    if (t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+// dgamma = sum_r dy * (x - mean) * rstd, dbeta = sum_r dy over the rows of [rows, cols] views; either may be skipped.
+void layer_norm_param_grads(const at::Tensor& dy2, const at::Tensor& x2, const at::Tensor& mean, const at::Tensor& rstd,
+                            at::ScalarType out_dtype, at::Tensor* dgamma, at::Tensor* dbeta) {
+  const int64_t rows = dy2.size(0);
+  if (dy2.is_cuda()) {
+#ifdef BMT_WITH_CUDA
+    const int64_t cols = dy2.size(1);
+    c10::cuda::CUDAGuard guard(dy2.device());
+    const core::DType dt = to_core_dtype(dy2.scalar_type());
+    at::Tensor ws = at::empty({2 * k::column_reduce_workspace_numel(rows, cols, dt)}, dy2.options().dtype(at::kFloat));
+    if (dgamma) *dgamma = at::empty({cols}, dy2.options().dtype(out_dtype));
+    if (dbeta) *dbeta = at::empty({cols}, dy2.options().dtype(out_dtype));
+    k::layer_norm_param_grads_cuda(dy2.data_ptr(), x2.data_ptr(), dt, mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                                   rows, cols, dgamma ? dgamma->data_ptr() : nullptr,
+                                   dbeta ? dbeta->data_ptr() : nullptr, to_core_dtype(out_dtype), ws.data_ptr<float>(),
+                                   current_stream_handle(dy2));
+    return;
+#else
+    BMT_ERROR("nn::layer_norm: CUDA tensors, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
+#endif
+  }
+  const at::Tensor g = dy2.to(at::kFloat);
+  if (dgamma) {
+    const at::Tensor xhat = (x2.to(at::kFloat) - mean.view({rows, 1})) * rstd.view({rows, 1});
+    *dgamma = (g * xhat).sum(0).to(out_dtype);
+  }
+  if (dbeta) *dbeta = g.sum(0).to(out_dtype);
+}
+
+struct LinearReducedBiasGradFn : torch::autograd::Function<LinearReducedBiasGradFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+    ctx->save_for_backward({x, weight});
+    return at::linear(x, weight, bias);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const int64_t out = weight.size(0), in = weight.size(1);
+    const at::Tensor dy2 = grads[0].contiguous().view({-1, out});
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = dy2.mm(weight).view(x.sizes());
+    if (ctx->needs_input_grad(1)) dw = dy2.t().mm(x.reshape({-1, in}));
+    if (ctx->needs_input_grad(2)) db = column_sum(dy2, weight.scalar_type());
+    return {dx, dw, db};
+  }
+};
+
+struct LayerNormReducedParamGradsFn : torch::autograd::Function<LayerNormReducedParamGradsFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                            int64_t dim, double eps) {
+    auto [y, mean, rstd] = at::native_layer_norm(x, {dim}, weight, bias, eps);
+    ctx->save_for_backward({x, weight, bias, mean, rstd});
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["eps"] = eps;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &mean = saved[3], &rstd = saved[4];
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    const at::Tensor dy = grads[0].contiguous();
+    at::Tensor dx;
+    if (ctx->needs_input_grad(0))
+      dx = std::get<0>(
+          at::native_layer_norm_backward(dy, x, {dim}, mean, rstd, weight, bias, {true, false, false}));
+    const bool want_w = ctx->needs_input_grad(1), want_b = ctx->needs_input_grad(2);
+    at::Tensor dw, db;
+    if (want_w || want_b) {
+      at::Tensor m = mean, r = rstd;
+      if (m.scalar_type() != at::kFloat || r.scalar_type() != at::kFloat) {
+        // (CPU: torch keeps half inputs' statistics in their dtype; the gradients want them in fp32, as on CUDA)
+        const at::Tensor xf = x.to(at::kFloat);
+        m = xf.mean(-1);
+        r = at::rsqrt(xf.var(-1, /*unbiased=*/false) + ctx->saved_data["eps"].toDouble());
+      }
+      m = m.contiguous().view({-1});
+      r = r.contiguous().view({-1});
+      layer_norm_param_grads(dy.view({-1, dim}), x.contiguous().view({-1, dim}), m, r, weight.scalar_type(),
+                             want_w ? &dw : nullptr, want_b ? &db : nullptr);
+    }
+    return {dx, dw, db, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool fused_reductions_enabled() {
+  int v = g_enabled.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("BMT_FUSED_REDUCTIONS");
+    v = (e && std::strcmp(e, "0") == 0) ? 0 : 1;
+    g_enabled.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void set_fused_reductions_enabled(bool enabled) { g_enabled.store(enabled ? 1 : 0, std::memory_order_relaxed); }
+
+at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype) {
+  BMT_CHECK(matrix.dim() == 2, "nn::column_sum: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
+  BMT_CHECK(supported_dtype(matrix.scalar_type()) && supported_dtype(out_dtype),
+            "nn::column_sum: dtypes must be fp32, bf16 or fp16, got ", matrix.scalar_type(), " -> ", out_dtype);
+  if (!matrix.is_cuda()) return matrix.sum(0, /*keepdim=*/false, at::kFloat).to(out_dtype);
+#ifdef BMT_WITH_CUDA
+  c10::cuda::CUDAGuard guard(matrix.device());
+  const at::Tensor m = matrix.contiguous();
+  const int64_t rows = m.size(0), cols = m.size(1);
+  const core::DType dt = to_core_dtype(m.scalar_type());
+  at::Tensor out = at::empty({cols}, m.options().dtype(out_dtype));
+  at::Tensor ws = at::empty({k::column_reduce_workspace_numel(rows, cols, dt)}, m.options().dtype(at::kFloat));
+  k::column_sum_cuda(m.data_ptr(), dt, rows, cols, out.data_ptr(), to_core_dtype(out_dtype), ws.data_ptr<float>(),
+                     current_stream_handle(m));
+  return out;
+#else
+  BMT_ERROR("nn::column_sum: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
+#endif
+}
+
+at::Tensor linear_reduced_bias_grad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  BMT_CHECK(bias.defined(), "nn::linear_reduced_bias_grad: needs a bias");
+  BMT_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
+            "nn::linear_reduced_bias_grad: input ", x.sizes(), " does not match weight ", weight.sizes());
+  return LinearReducedBiasGradFn::apply(x, weight, bias);
+}
+
+at::Tensor layer_norm_reduced_param_grads(const at::Tensor& x, int64_t dim, const at::Tensor& weight,
+                                          const at::Tensor& bias, double eps) {
+  // (torch's C++ autograd functions take no undefined inputs: a LayerNorm without bias stays at::layer_norm)
+  BMT_CHECK(weight.defined() && bias.defined(), "nn::layer_norm_reduced_param_grads: needs a weight and a bias");
+  BMT_CHECK(x.dim() >= 1 && x.size(-1) == dim && weight.numel() == dim,
+            "nn::layer_norm_reduced_param_grads: input ", x.sizes(), " and weight ", weight.sizes(),
+            " do not match dim ", dim);
+  return LayerNormReducedParamGradsFn::apply(x, weight, bias, dim, eps);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  const bool fused = bias.defined() && x.is_cuda() && fused_reductions_enabled() &&
+                     supported_dtype(x.scalar_type()) && weight.scalar_type() == x.scalar_type() &&
+                     bias.scalar_type() == x.scalar_type() && weight.dim() == 2 && x.dim() >= 1 &&
+                     any_requires_grad({&x, &weight, &bias});
+  return fused ? LinearReducedBiasGradFn::apply(x, weight, bias) : at::linear(x, weight, bias);
+}
+
+at::Tensor layer_norm(const at::Tensor& x, int64_t dim, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  const bool fused = weight.defined() && bias.defined() && x.is_cuda() && fused_reductions_enabled() &&
+                     supported_dtype(x.scalar_type()) && weight.scalar_type() == x.scalar_type() &&
+                     bias.scalar_type() == x.scalar_type() && x.dim() >= 1 &&
+                     x.size(-1) == dim && any_requires_grad({&x, &weight, &bias});
+  return fused ? layer_norm_reduced_param_grads(x, dim, weight, bias, eps)
+               : at::layer_norm(x, {dim}, weight, bias, eps);
+}
+
+}  // namespace bmt::nn

@@ -1,0 +1,30 @@
+// Linear and LayerNorm whose parameter gradients are reduced by our kernels (core/kernels/column_reduce): the
+// bias gradient of a Linear (the sum of dy over rows) and LayerNorm's weight and bias gradients. Everything else
+// (forward, input and weight gradients) stays torch's. Used by nn::Linear, nn::LayerNorm and the tensor-parallel
+// linears on CUDA tensors; elsewhere, and with BMT_FUSED_REDUCTIONS=0 or set_fused_reductions_enabled(false),
+// these are at::linear / at::layer_norm.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace bmt::nn {
+
+// y = x weight^T + bias (bias may be undefined).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = at::Tensor());
+// LayerNorm over the last `dim` elements, affine weight and bias (without a bias: at::layer_norm).
+at::Tensor layer_norm(const at::Tensor& x, int64_t dim, const at::Tensor& weight, const at::Tensor& bias, double eps);
+
+// The fused-gradient autograd paths on any device, whatever the switch (CPU: the reductions are at::sum in fp32):
+// what the dispatchers above call; exposed for tests.
+at::Tensor linear_reduced_bias_grad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+at::Tensor layer_norm_reduced_param_grads(const at::Tensor& x, int64_t dim, const at::Tensor& weight,
+                                          const at::Tensor& bias, double eps);
+
+// The sums of a 2-D tensor's rows, accumulated in fp32, returned in out_dtype (CUDA: our kernel; CPU: at::sum).
+at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype);
+
+// Default: on unless the environment sets BMT_FUSED_REDUCTIONS=0.
+bool fused_reductions_enabled();
+void set_fused_reductions_enabled(bool enabled);
+
+}  // namespace bmt::nn

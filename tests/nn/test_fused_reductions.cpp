@@ -1,0 +1,133 @@
+// nn::linear / nn::layer_norm's reduced-gradient autograd paths and the column-reduction CPU twins, on the CPU:
+// gradients against at::linear / at::layer_norm's own autograd (an independent implementation), the twins against
+// at::sum in double. The CUDA kernels against the twins: tests/cuda/test_column_reduce_cuda.cpp.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include "bmt/core/kernels/column_reduce_internal.h"
+#include "bmt/nn/fused_reductions.h"
+#include "bmt/tensor_adapter_internal.h"
+
+namespace k = bmt::core::kernels;
+
+namespace {
+
+at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().requires_grad_(true); }
+
+}  // namespace
+
+TEST(ColumnReduceCpu, ColumnSumMatchesADoubleSum) {
+  at::manual_seed(1);
+  for (at::ScalarType st : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {7, 13}, {300, 768}, {64, 3}}) {
+      at::Tensor m = (at::randn({rows, cols}) * 2).to(st);
+      at::Tensor out = at::empty({cols}, at::kFloat);
+      k::column_sum_cpu(m.data_ptr(), bmt::to_core_dtype(st), rows, cols, out.data_ptr(), bmt::core::DType::kFloat32);
+      const at::Tensor want = m.to(at::kDouble).sum(0).to(at::kFloat);
+      EXPECT_TRUE(at::allclose(out, want, 1e-6, 1e-6)) << c10::toString(st) << " " << rows << "x" << cols;
+    }
+  }
+}
+
+TEST(ColumnReduceCpu, LayerNormParamGradsMatchTheDefinition) {
+  at::manual_seed(2);
+  const int64_t rows = 50, cols = 24;
+  at::Tensor x = at::randn({rows, cols}) * 3 + 1, dy = at::randn({rows, cols});
+  at::Tensor mean = x.mean(1), rstd = at::rsqrt(x.var(1, /*unbiased=*/false) + 1e-5);
+  at::Tensor dg = at::empty({cols}), db = at::empty({cols});
+  k::layer_norm_param_grads_cpu(dy.data_ptr(), x.data_ptr(), bmt::core::DType::kFloat32, mean.data_ptr<float>(),
+                                rstd.data_ptr<float>(), rows, cols, dg.data_ptr(), db.data_ptr(), bmt::core::DType::kFloat32);
+  const at::Tensor xhat = (x.to(at::kDouble) - mean.to(at::kDouble).unsqueeze(1)) * rstd.to(at::kDouble).unsqueeze(1);
+  EXPECT_TRUE(at::allclose(dg, (dy.to(at::kDouble) * xhat).sum(0).to(at::kFloat), 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(db, dy.to(at::kDouble).sum(0).to(at::kFloat), 1e-5, 1e-5));
+  // Either output may be skipped.
+  at::Tensor only_b = at::zeros({cols});
+  k::layer_norm_param_grads_cpu(dy.data_ptr(), x.data_ptr(), bmt::core::DType::kFloat32, mean.data_ptr<float>(),
+                                rstd.data_ptr<float>(), rows, cols, nullptr, only_b.data_ptr(), bmt::core::DType::kFloat32);
+  EXPECT_TRUE(at::equal(only_b, db));
+}
+
+TEST(ColumnReduceCpu, PlanCoversEveryRowWithinTheGridLimit) {
+  for (auto dt : {bmt::core::DType::kFloat32, bmt::core::DType::kBFloat16}) {
+    for (int64_t rows : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{16384}, int64_t{1} << 31}) {
+      for (int64_t cols : {int64_t{1}, int64_t{768}, int64_t{50304}}) {
+        const k::ColumnReducePlan p = k::column_reduce_plan(rows, cols, dt);
+        EXPECT_GE(p.slabs * p.rows_per_slab, rows);
+        EXPECT_LT((p.slabs - 1) * p.rows_per_slab, rows);  // no empty slab
+        EXPECT_LE(p.slabs, 65535);
+        EXPECT_EQ(k::column_reduce_workspace_numel(rows, cols, dt), p.slabs * cols);
+      }
+    }
+  }
+}
+
+TEST(FusedReductions, LinearGradientsMatchAtLinear) {
+  at::manual_seed(3);
+  for (auto sizes : {std::vector<int64_t>{4, 5, 16}, std::vector<int64_t>{9, 16}}) {
+    at::Tensor x0 = at::randn(sizes), w0 = at::randn({12, 16}), b0 = at::randn({12});
+    std::vector<int64_t> out_sizes = sizes;
+    out_sizes.back() = 12;
+    at::Tensor dy = at::randn(out_sizes);
+    at::Tensor x1 = leaf(x0), w1 = leaf(w0), b1 = leaf(b0), x2 = leaf(x0), w2 = leaf(w0), b2 = leaf(b0);
+    at::Tensor y1 = bmt::nn::linear_reduced_bias_grad(x1, w1, b1);
+    at::Tensor y2 = at::linear(x2, w2, b2);
+    EXPECT_TRUE(at::equal(y1, y2));  // the forward is at::linear's
+    y1.backward(dy);
+    y2.backward(dy);
+    EXPECT_TRUE(at::allclose(x1.grad(), x2.grad(), 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(w1.grad(), w2.grad(), 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(b1.grad(), b2.grad(), 1e-5, 1e-5));
+  }
+}
+
+TEST(FusedReductions, LinearSkipsGradientsNobodyWants) {
+  at::Tensor x = at::randn({3, 4}), w = leaf(at::randn({2, 4})), b = at::randn({2});  // only w needs a gradient
+  bmt::nn::linear_reduced_bias_grad(x, w, b).sum().backward();
+  EXPECT_TRUE(at::allclose(w.grad(), at::ones({3, 2}).t().mm(x)));
+  EXPECT_FALSE(b.grad().defined());
+}
+
+TEST(FusedReductions, LayerNormGradientsMatchAtLayerNorm) {
+  at::manual_seed(4);
+  for (at::ScalarType st : {at::kFloat, at::kBFloat16}) {
+    at::Tensor x0 = (at::randn({3, 5, 32}) * 2 + 0.5).to(st), w0 = at::randn({32}).to(st), b0 = at::randn({32}).to(st);
+    at::Tensor dy = at::randn({3, 5, 32}).to(st);
+    at::Tensor x1 = leaf(x0), w1 = leaf(w0), b1 = leaf(b0), x2 = leaf(x0), w2 = leaf(w0), b2 = leaf(b0);
+    at::Tensor y1 = bmt::nn::layer_norm_reduced_param_grads(x1, 32, w1, b1, 1e-5);
+    at::Tensor y2 = at::layer_norm(x2, {32}, w2, b2, 1e-5);
+    EXPECT_TRUE(at::equal(y1, y2));
+    y1.backward(dy);
+    y2.backward(dy);
+    // bf16: both round an fp32 sum of 15 rows to bf16 (one ulp = 2^-8 relative), in different orders.
+    const double tol = st == at::kFloat ? 1e-5 : 2e-2;
+    EXPECT_TRUE(at::equal(x1.grad(), x2.grad()));  // the input gradient is torch's own kernel in both
+    EXPECT_TRUE(at::allclose(w1.grad().to(at::kFloat), w2.grad().to(at::kFloat), tol, tol)) << c10::toString(st);
+    EXPECT_TRUE(at::allclose(b1.grad().to(at::kFloat), b2.grad().to(at::kFloat), tol, tol)) << c10::toString(st);
+  }
+  EXPECT_THROW(bmt::nn::layer_norm_reduced_param_grads(at::randn({2, 4}), 4, at::ones({4}), at::Tensor(), 1e-5),
+               std::exception);
+}
+
+TEST(FusedReductions, DispatchersAreTorchsOpsOnTheCpuAndWhenSwitchedOff) {
+  at::manual_seed(5);
+  at::Tensor x = leaf(at::randn({4, 8})), w = leaf(at::randn({6, 8})), b = leaf(at::randn({6}));
+  at::Tensor y = bmt::nn::linear(x, w, b);
+  ASSERT_TRUE(y.grad_fn());
+  EXPECT_EQ(y.grad_fn()->name().find("LinearReducedBiasGradFn"), std::string::npos) << y.grad_fn()->name();
+  at::Tensor g = leaf(at::randn({8}));
+  at::Tensor z = bmt::nn::layer_norm(x, 8, g, at::Tensor(), 1e-5);
+  EXPECT_EQ(z.grad_fn()->name().find("LayerNormReducedParamGradsFn"), std::string::npos) << z.grad_fn()->name();
+  EXPECT_TRUE(at::equal(z, at::layer_norm(x, {8}, g, {}, 1e-5)));
+  const bool was = bmt::nn::fused_reductions_enabled();
+  bmt::nn::set_fused_reductions_enabled(false);
+  EXPECT_FALSE(bmt::nn::fused_reductions_enabled());
+  bmt::nn::set_fused_reductions_enabled(was);
+}
+
+TEST(FusedReductions, ColumnSumRejectsBadInput) {
+  EXPECT_THROW(bmt::nn::column_sum(at::zeros({2, 3, 4}), at::kFloat), std::exception);
+  EXPECT_THROW(bmt::nn::column_sum(at::zeros({2, 3}, at::kLong), at::kFloat), std::exception);
+  EXPECT_TRUE(at::allclose(bmt::nn::column_sum(at::ones({5, 3}), at::kFloat), at::full({3}, 5.0)));
+}
