@@ -31,7 +31,8 @@ std::string train_usage() {
   --checkpointing     recompute each block's forward in backward
   --cuda-graphs       capture the forward + backward (ZeRO gathers and reductions included) as a CUDA graph
                       after 2 eager steps and replay it (bmt::CudaGraphStep; the optimizer step stays eager);
-                      not with --pp; eager on CPUs (a notice)
+                      not with --pp; eager on CPUs (a notice). Default on for one GPU (world 1, no --pp);
+                      --no-cuda-graphs turns it off (the graph's pool keeps one step's activations reserved)
   --eval-every K      held-out loss (and task accuracy) every K steps; --eval-batches N
   --save-every K --save-dir D    checkpoints every K steps and at the end: D/step_<n> (bmtrain's sharded,
                       checksummed format: model, optimizer, LR schedule, RNG; `bmt-ckpt verify D/step_<n>`)
@@ -115,6 +116,8 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       a.checkpointing = true;
     } else if (arg == "--cuda-graphs") {
       a.cuda_graphs = true;
+    } else if (arg == "--no-cuda-graphs") {
+      a.no_cuda_graphs = true;
     } else if (arg == "--resume") {
       a.resume = true;
     } else if (auto it = valued.find(arg); it != valued.end()) {
@@ -155,6 +158,8 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
   BMT_CHECK(a.zero == 2 || a.zero == 3, "--zero must be 2 or 3, got ", a.zero);
   BMT_CHECK(a.tp >= 1, "--tp must be >= 1, got ", a.tp);
   BMT_CHECK(a.pp >= 1, "--pp must be >= 1, got ", a.pp);
+  BMT_CHECK(!(a.cuda_graphs && a.no_cuda_graphs), "--cuda-graphs and --no-cuda-graphs contradict each other; "
+            "give one of them");
   BMT_CHECK(!(a.cuda_graphs && a.pp > 1), "--cuda-graphs cannot be combined with --pp (the pipeline schedule's host "
             "work runs between the micro-batches, which a replayed graph would skip); drop one of them");
   BMT_CHECK(a.micro_batches >= 0, "--micro-batches must be >= 1, got ", a.micro_batches);

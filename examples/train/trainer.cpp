@@ -180,7 +180,10 @@ void train_loop(Run& run) {
   double tokens_done = 0;
   int64_t skipped_in_a_row = 0, last_good_step = result.start_step;
   bool save_due = false;
-  if (args.cuda_graphs && !run.model->pipelined()) {
+  // Graphs by default where they are proven: one GPU, no pipeline (the graph tests' configurations; a capture over
+  // NCCL at world > 1 has not run on GPUs yet, so more ranks need --cuda-graphs).
+  const bool graphs_by_default = cfg.device.is_cuda() && cfg.world_size == 1 && !args.no_cuda_graphs;
+  if ((args.cuda_graphs || graphs_by_default) && !run.model->pipelined()) {
     bmt::optim::OptimManager* optim = run.optim.get();
     LanguageModel* model = run.model.get();
     const int64_t seq = s.seq;
@@ -189,6 +192,9 @@ void train_loop(Run& run) {
       optim->backward(loss);
       return std::vector<at::Tensor>{loss.detach()};
     });
+    if (!args.cuda_graphs)
+      run.progress->message("CUDA graphs on (the default on one GPU): forward + backward captured after 2 eager "
+                            "steps; --no-cuda-graphs runs eagerly");
   }
   for (int64_t step = result.start_step; step < s.stop; ++step) {
     const double t0 = now_s();

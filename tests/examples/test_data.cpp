@@ -209,6 +209,11 @@ TEST(SmallFormats, TrainArgs) {
   const char* graphs[] = {"train_gpt", "--cuda-graphs"};
   EXPECT_TRUE(examples::parse_train_args(2, graphs).cuda_graphs);
   EXPECT_FALSE(a.cuda_graphs);
+  const char* no_graphs[] = {"train_gpt", "--no-cuda-graphs"};
+  EXPECT_TRUE(examples::parse_train_args(2, no_graphs).no_cuda_graphs);
+  EXPECT_FALSE(a.no_cuda_graphs);
+  const char* both[] = {"train_gpt", "--cuda-graphs", "--no-cuda-graphs"};
+  EXPECT_NE(error_of([&] { examples::parse_train_args(3, both); }).find("contradict"), std::string::npos);
   const char* bad6[] = {"train_gpt", "--cuda-graphs", "--pp", "2"};
   EXPECT_NE(error_of([&] { examples::parse_train_args(4, bad6); }).find("--cuda-graphs cannot be combined with --pp"),
             std::string::npos);
