@@ -1,11 +1,10 @@
 #include "bmt/param_init.h"
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 
 #include "bmt/core/error.h"
+#include "bmt/core/kernels/thread_pool.h"
 #include "bmt/core/philox.h"
 #include "bmt/init.h"
 #include "bmt/init_method_internal.h"
@@ -101,8 +100,10 @@ void fill_stream(const PieceLayout& layout, const core::RandomStream& s, int64_t
   if (dst.is_cpu()) {
     char* base = static_cast<char*>(dst.data_ptr());
     const size_t esize = core::dtype_nbytes(dtype);
-    at::parallel_for(begin, end, kChunkNumel, [&](int64_t lo, int64_t hi) {
-      fill_piece_range(layout, s, lo, hi, dtype, base + static_cast<size_t>(lo - begin) * esize);
+    // Our pool, not at::parallel_for: ATen's OpenMP backend runs its loop inline in code built without -fopenmp
+    // (ours), which left a 6.7B-parameter init single-threaded (238 s of setup on the H200 machine's 16 cores).
+    core::kernels::ThreadPool::global().parallel_for(end - begin, kChunkNumel, [&](int64_t lo, int64_t hi) {
+      fill_piece_range(layout, s, begin + lo, begin + hi, dtype, base + static_cast<size_t>(lo) * esize);
     });
     return;
   }
