@@ -100,11 +100,25 @@ TEST(FusedReductions, LayerNormGradientsMatchAtLayerNorm) {
     EXPECT_TRUE(at::equal(y1, y2));
     y1.backward(dy);
     y2.backward(dy);
-    // bf16: both round an fp32 sum of 15 rows to bf16 (one ulp = 2^-8 relative), in different orders.
-    const double tol = st == at::kFloat ? 1e-5 : 2e-2;
     EXPECT_TRUE(at::equal(x1.grad(), x2.grad()));  // the input gradient is torch's own kernel in both
-    EXPECT_TRUE(at::allclose(w1.grad().to(at::kFloat), w2.grad().to(at::kFloat), tol, tol)) << c10::toString(st);
-    EXPECT_TRUE(at::allclose(b1.grad().to(at::kFloat), b2.grad().to(at::kFloat), tol, tol)) << c10::toString(st);
+    if (st == at::kFloat) {
+      EXPECT_TRUE(at::allclose(w1.grad(), w2.grad(), 1e-5, 1e-5));
+      EXPECT_TRUE(at::allclose(b1.grad(), b2.grad(), 1e-5, 1e-5));
+      continue;
+    }
+    // bf16: against fp64 sums over the bf16 inputs. Ours computes the statistics and the sums in fp32 and rounds
+    // once (half an ulp, 2^-9 relative). Torch's CPU kernel keeps a bf16 input's mean and rstd in bf16 (measured:
+    // 0.068 off at a gradient of ~11.7, where one bf16 rounding is 0.013), so it is held to a looser bound only.
+    const at::Tensor xd = x0.to(at::kDouble), d = dy.to(at::kDouble);
+    const at::Tensor mean = xd.mean(-1, true), rstd = at::rsqrt(xd.var(-1, false, true) + 1e-5);
+    const std::vector<int64_t> rows_dims = {0, 1};
+    const at::Tensor ref_w = (d * (xd - mean) * rstd).sum(rows_dims), ref_b = d.sum(rows_dims);
+    auto max_excess = [](const at::Tensor& got, const at::Tensor& ref, double rel, double abs) {
+      return ((got.to(at::kDouble) - ref).abs() - (ref.abs() * rel + abs)).max().item<double>();
+    };
+    EXPECT_LE(max_excess(w1.grad(), ref_w, 1.0 / 256, 1e-4), 0.0) << "ours, bf16 weight gradient";
+    EXPECT_LE(max_excess(b1.grad(), ref_b, 1.0 / 256, 1e-4), 0.0) << "ours, bf16 bias gradient";
+    EXPECT_LE(max_excess(w2.grad(), ref_w, 2e-2, 2e-1), 0.0) << "torch's, bf16 weight gradient";
   }
   EXPECT_THROW(bmt::nn::layer_norm_reduced_param_grads(at::randn({2, 4}), 4, at::ones({4}), at::Tensor(), 1e-5),
                std::exception);
