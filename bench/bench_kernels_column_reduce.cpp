@@ -51,14 +51,14 @@ void bench_layer_norm_grads(const KernelTimer& timer) {
       at::Tensor y = at::layer_norm(xo, {s.cols}, wo, bo, 1e-5);
       y.backward(dy);
     };
-    xo.mutable_grad().reset(); wo.mutable_grad().reset(); bo.mutable_grad().reset();
+    const auto clear = [&] { xo.mutable_grad().reset(); wo.mutable_grad().reset(); bo.mutable_grad().reset(); };
+    clear();
     ours();
     at::Tensor gw = wo.grad().clone(), gb = bo.grad().clone();
-    xo.mutable_grad().reset(); wo.mutable_grad().reset(); bo.mutable_grad().reset();
+    clear();
     theirs();
     const double diff = std::max((gw.to(at::kFloat) - wo.grad().to(at::kFloat)).abs().max().item<double>(),
                                  (gb.to(at::kFloat) - bo.grad().to(at::kFloat)).abs().max().item<double>());
-    const auto clear = [&] { xo.mutable_grad().reset(); wo.mutable_grad().reset(); bo.mutable_grad().reset(); };
     const double ours_ms = timer.time_ms([&] { clear(); ours(); });
     const double torch_ms = timer.time_ms([&] { clear(); theirs(); });
     // Forward (read x, write y) + backward (read x, dy; write dx) at the least: 5 passes of rows x cols x 2 bytes.
