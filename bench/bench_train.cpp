@@ -158,7 +158,8 @@ int run(const Args& a) {
   if (a.checkpointing) config += " ckpt";
   if (a.step_in_backward) config += " step-in-backward";
   if (a.cuda_graphs) config += " cuda-graphs";
-  if (a.framework == "bmt" && !bmt::nn::fused_reductions_enabled()) config += " torch-reductions";
+  const bool our_reductions = a.framework == "bmt" && bmt::nn::fused_reductions_enabled();  // BMT_FUSED_REDUCTIONS
+  if (a.framework == "bmt" && !our_reductions) config += " torch-reductions";
   if (a.offload) {
     if (a.offload_gpu_blocks > 0) config += " offload-gpu-blocks" + std::to_string(a.offload_gpu_blocks);
     else config += a.offload_blocks_only ? " offload-blocks" : " offload";
@@ -277,7 +278,7 @@ int run(const Args& a) {
       << ",\"offload_async\":" << (a.offload_async ? "true" : "false")
       << ",\"step_in_backward\":" << (a.step_in_backward ? "true" : "false")
       << ",\"cuda_graphs\":" << (a.cuda_graphs ? "true" : "false") << ",\"cuda_graphs_status\":" << json_str(graph_status)
-      << ",\"fused_reductions\":" << (a.framework == "bmt" && bmt::nn::fused_reductions_enabled() ? "true" : "false")
+      << ",\"fused_reductions\":" << (our_reductions ? "true" : "false")
       << ",\"pp\":" << r.pp
       << ",\"micro_batches\":" << r.micro_batches << ",\"pp_schedule\":" << json_str(a.pp_schedule)
       << ",\"bubble\":" << json_num(r.pp > 1 ? bubble : NAN, 4)

@@ -169,19 +169,25 @@ at::Tensor layer_norm_reduced_param_grads(const at::Tensor& x, int64_t dim, cons
   return LayerNormReducedParamGradsFn::apply(x, weight, bias, dim, eps);
 }
 
+namespace {
+
+// What both dispatchers ask before taking the fused path: a CUDA input that needs gradients, with a weight and a
+// bias of its (supported) dtype, and the switch on.
+bool fused_path_applies(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  return weight.defined() && bias.defined() && x.is_cuda() && x.dim() >= 1 && fused_reductions_enabled() &&
+         supported_dtype(x.scalar_type()) && weight.scalar_type() == x.scalar_type() &&
+         bias.scalar_type() == x.scalar_type() && any_requires_grad({&x, &weight, &bias});
+}
+
+}  // namespace
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  const bool fused = bias.defined() && x.is_cuda() && fused_reductions_enabled() &&
-                     supported_dtype(x.scalar_type()) && weight.scalar_type() == x.scalar_type() &&
-                     bias.scalar_type() == x.scalar_type() && weight.dim() == 2 && x.dim() >= 1 &&
-                     any_requires_grad({&x, &weight, &bias});
+  const bool fused = fused_path_applies(x, weight, bias) && weight.dim() == 2;
   return fused ? LinearReducedBiasGradFn::apply(x, weight, bias) : at::linear(x, weight, bias);
 }
 
 at::Tensor layer_norm(const at::Tensor& x, int64_t dim, const at::Tensor& weight, const at::Tensor& bias, double eps) {
-  const bool fused = weight.defined() && bias.defined() && x.is_cuda() && fused_reductions_enabled() &&
-                     supported_dtype(x.scalar_type()) && weight.scalar_type() == x.scalar_type() &&
-                     bias.scalar_type() == x.scalar_type() && x.dim() >= 1 &&
-                     x.size(-1) == dim && any_requires_grad({&x, &weight, &bias});
+  const bool fused = fused_path_applies(x, weight, bias) && x.size(-1) == dim;
   return fused ? layer_norm_reduced_param_grads(x, dim, weight, bias, eps)
                : at::layer_norm(x, {dim}, weight, bias, eps);
 }
