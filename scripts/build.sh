@@ -15,8 +15,14 @@ else
   flags=(-DBMT_WITH_CUDA=OFF)
 fi
 # ccache (when installed) lets several build folders and worktrees share compiled objects.
+# Most of our C++ compiles through a precompiled header, which ccache refuses ("could not use precompiled header")
+# unless told what may differ (sloppiness) and given -fpch-preprocess; paths relative to the checkout (base dir,
+# no hashed working directory) let a clone in another folder, such as CI's, reuse what an earlier build compiled.
 if command -v ccache >/dev/null 2>&1; then
-  flags+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  flags+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache
+          "-DCMAKE_CXX_FLAGS=${CXXFLAGS:-} -fpch-preprocess")
+  export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}
+  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 fi
 if [ ! -f "$dir/build.ninja" ]; then
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "${flags[@]}" ${BMT_CMAKE_ARGS:-}
