@@ -77,6 +77,7 @@
 #include "bmt/core/error.h"
 #include "bmt/cuda_graph_step.h"
 #include "bmt/distributed.h"
+#include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/stream_sync.h"
 #include "bmt/init.h"
@@ -160,6 +161,11 @@ int run(const Args& a) {
   if (a.cuda_graphs) config += " cuda-graphs";
   const bool our_reductions = a.framework == "bmt" && bmt::nn::fused_reductions_enabled();  // BMT_FUSED_REDUCTIONS
   if (a.framework == "bmt" && !our_reductions) config += " torch-reductions";
+  const bool epilogues = a.framework == "bmt" && bmt::nn::gemm_epilogues_enabled();  // BMT_GEMM_EPILOGUES
+  if (a.framework == "bmt" && !epilogues) config += " no-epilogues";
+  const bmt::nn::GeluMlpBackward gelu_bwd = bmt::nn::gelu_mlp_backward();  // BMT_GELU_MLP_BACKWARD
+  if (epilogues && gelu_bwd == bmt::nn::GeluMlpBackward::kDGeluBGrad) config += " dgelu-bgrad";
+  if (epilogues && gelu_bwd == bmt::nn::GeluMlpBackward::kSeparate) config += " separate-gelu-backward";
   if (a.offload) {
     if (a.offload_gpu_blocks > 0) config += " offload-gpu-blocks" + std::to_string(a.offload_gpu_blocks);
     else config += a.offload_blocks_only ? " offload-blocks" : " offload";
@@ -279,6 +285,7 @@ int run(const Args& a) {
       << ",\"step_in_backward\":" << (a.step_in_backward ? "true" : "false")
       << ",\"cuda_graphs\":" << (a.cuda_graphs ? "true" : "false") << ",\"cuda_graphs_status\":" << json_str(graph_status)
       << ",\"fused_reductions\":" << (our_reductions ? "true" : "false")
+      << ",\"gemm_epilogues\":" << (epilogues ? "true" : "false")
       << ",\"pp\":" << r.pp
       << ",\"micro_batches\":" << r.micro_batches << ",\"pp_schedule\":" << json_str(a.pp_schedule)
       << ",\"bubble\":" << json_num(r.pp > 1 ? bubble : NAN, 4)

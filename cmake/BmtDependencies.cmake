@@ -53,6 +53,17 @@ if(BMT_CUDA)
   if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
     message(FATAL_ERROR "bmtrain: CUDA is enabled but NCCL was not found (nccl.h: ${NCCL_INCLUDE_DIR}, libnccl: ${NCCL_LIBRARY}). pip install nvidia-nccl-cu13, set NCCL_ROOT, or configure with -DBMT_WITH_CUDA=OFF.")
   endif()
+  # cuBLASLt (the fused-epilogue GEMMs): the copy torch loads (its pip wheel's nvidia libraries), else the toolkit's.
+  execute_process(COMMAND ${Python3_EXECUTABLE} -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))"
+                  OUTPUT_VARIABLE _bmt_site OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  find_library(BMT_CUBLASLT_LIBRARY NAMES libcublasLt.so.13 libcublasLt.so.12 cublasLt
+               HINTS ${_bmt_site}/nvidia/cu13/lib ${_bmt_site}/nvidia/cublas/lib NO_DEFAULT_PATH)
+  if(NOT BMT_CUBLASLT_LIBRARY)
+    set(BMT_CUBLASLT_LIBRARY CUDA::cublasLt)
+  endif()
+  add_library(bmt_cublaslt INTERFACE)
+  target_link_libraries(bmt_cublaslt INTERFACE ${BMT_CUBLASLT_LIBRARY})
+  message(STATUS "bmtrain: cuBLASLt ${BMT_CUBLASLT_LIBRARY}")
   add_library(bmt_nccl INTERFACE)
   target_include_directories(bmt_nccl INTERFACE ${NCCL_INCLUDE_DIR})
   target_link_libraries(bmt_nccl INTERFACE ${NCCL_LIBRARY})

@@ -3,6 +3,7 @@
 #include "bmt/block.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
+#include "bmt/nn/fused_linear.h"
 #include "bmt/parameter.h"
 #include "bmt/pipeline.h"
 #include "models/attention.h"
@@ -30,12 +31,15 @@ GptAttentionImpl::GptAttentionImpl(const ModelConfig& c, at::ScalarType dtype, c
   c_proj = tp.linear(*this, "c_proj", c.dim, c.dim, true, dtype);
 }
 
-at::Tensor GptAttentionImpl::forward(const at::Tensor& x, const at::Tensor& shape) {
+at::Tensor GptAttentionImpl::forward(const at::Tensor& x, const at::Tensor& shape, const at::Tensor& residual) {
   // Rows in; Q, K and V of the heads this rank computes (all of them unless c_attn is split) for every row.
   auto qkv = rows_to_batch(c_attn.forward(x), shape).chunk(3, -1);
   const int64_t heads = qkv[0].size(-1) / head_dim;
   at::Tensor y = causal_attention(split_heads(qkv[0], heads), split_heads(qkv[1], heads), split_heads(qkv[2], heads));
-  return c_proj.forward(batch_to_rows(merge_heads(y), shape));
+  const at::Tensor rows = batch_to_rows(merge_heads(y), shape);
+  if (bmt::nn::Linear proj = c_proj.dense())
+    return bmt::nn::linear_residual(rows, bmt::gathered(proj->weight), bmt::gathered(proj->bias), residual);
+  return residual + c_proj.forward(rows);  // (row-parallel: the add follows the reduction over tp)
 }
 
 GptMlpImpl::GptMlpImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn::TpScope& tp) {
@@ -43,7 +47,13 @@ GptMlpImpl::GptMlpImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn
   c_proj = tp.linear(*this, "c_proj", c.ffn_dim, c.dim, true, dtype);
 }
 
-at::Tensor GptMlpImpl::forward(const at::Tensor& x) { return c_proj.forward(at::gelu(c_fc.forward(x), "tanh")); }
+at::Tensor GptMlpImpl::forward(const at::Tensor& x, const at::Tensor& residual) {
+  bmt::nn::Linear fc = c_fc.dense(), proj = c_proj.dense();
+  if (fc && proj)
+    return bmt::nn::gelu_mlp(x, bmt::gathered(fc->weight), bmt::gathered(fc->bias), bmt::gathered(proj->weight),
+                             bmt::gathered(proj->bias), residual);
+  return residual + c_proj.forward(at::gelu(c_fc.forward(x), "tanh"));
+}
 
 GptLayerImpl::GptLayerImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn::TpScope& tp) {
   ln_1 = register_module("ln_1", bmt::nn::LayerNorm(c.dim, c.norm_eps, dtype));
@@ -55,8 +65,8 @@ GptLayerImpl::GptLayerImpl(const ModelConfig& c, at::ScalarType dtype, const bmt
 std::vector<at::Tensor> GptLayerImpl::forward(const std::vector<at::Tensor>& in) {
   const at::Tensor& x = in.at(0);
   const at::Tensor& shape = in.at(1);
-  at::Tensor h = x + attn->forward(ln_1->forward(x), shape);
-  return {h + mlp->forward(ln_2->forward(h))};
+  at::Tensor h = attn->forward(ln_1->forward(x), shape, x);
+  return {mlp->forward(ln_2->forward(h), h)};
 }
 
 Gpt::Gpt(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarType dtype) : config_(config) {

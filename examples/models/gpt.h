@@ -45,7 +45,8 @@ class GptAttentionImpl : public torch::nn::Module {
  public:
   GptAttentionImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn::TpScope& tp);
   // x: token rows (rows, d); shape: TokenRows::shape.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& shape);
+  // residual + c_proj(attention(c_attn(x))): the residual add is fused into c_proj's GEMM where it can be.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& shape, const at::Tensor& residual);
   int64_t head_dim;
   bmt::nn::PlannedLinear c_attn, c_proj;
 };
@@ -54,7 +55,8 @@ TORCH_MODULE(GptAttention);
 class GptMlpImpl : public torch::nn::Module {
  public:
   GptMlpImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn::TpScope& tp);
-  at::Tensor forward(const at::Tensor& x);
+  // residual + c_proj(gelu(c_fc(x))): one fused MLP (nn::gelu_mlp) when neither linear is split over tp.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& residual);
   bmt::nn::PlannedLinear c_fc, c_proj;
 };
 TORCH_MODULE(GptMlp);

@@ -1,8 +1,14 @@
-// bmtrain._C: Blocks and block lists whose forward function is Python code, the fused cross-entropy and the
-// tensor-parallel ops.
+// bmtrain._C: Blocks and block lists whose forward function is Python code, the fused cross-entropy, the layer
+// ops of the C++ nn (linear, layer_norm, gelu_mlp, linear_residual) and the tensor-parallel ops.
+#include <pybind11/stl.h>
+
+#include <optional>
+
 #include "bmt/block.h"
 #include "bmt/block_list.h"
 #include "bmt/loss/fused_cross_entropy.h"
+#include "bmt/nn/fused_linear.h"
+#include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/tp_ops.h"
 #include "py_support.h"
 
@@ -96,6 +102,35 @@ void bind_block(py::module_& m) {
       py::arg("logits"), py::arg("target"), py::arg("ignore_index") = -100, py::arg("reduction") = "mean",
       py::arg("label_smoothing") = 0.0, py::arg("parallel") = false, py::arg("inplace") = false);
   m.def("check_pending_targets", &loss::check_pending_targets);
+
+  // The C++ layers' own ops, so Python's bmt.nn layers get the same kernels (CUDA: our bias / LayerNorm gradient
+  // reductions, the GEMM-epilogue MLP; CPU: torch's ops).
+  py::module_ nn = m.def_submodule("nn", "bmtrain's layer ops (nn/fused_reductions, nn/fused_linear)");
+  const auto opt = [](const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); };
+  nn.def(
+      "linear",
+      [opt](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+        return bmt::nn::linear(x, weight, opt(bias));
+      },
+      py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  nn.def(
+      "layer_norm",
+      [opt](const at::Tensor& x, int64_t dim, const std::optional<at::Tensor>& weight,
+            const std::optional<at::Tensor>& bias, double eps) {
+        return bmt::nn::layer_norm(x, dim, opt(weight), opt(bias), eps);
+      },
+      py::arg("input"), py::arg("dim"), py::arg("weight") = py::none(), py::arg("bias") = py::none(),
+      py::arg("eps") = 1e-5, py::call_guard<py::gil_scoped_release>());
+  nn.def(
+      "gelu_mlp",
+      [opt](const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
+            const at::Tensor& b_proj, const std::optional<at::Tensor>& residual) {
+        return bmt::nn::gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, opt(residual));
+      },
+      py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
+      py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>());
+  nn.def("linear_residual", &bmt::nn::linear_residual, py::arg("input"), py::arg("weight"), py::arg("bias"),
+         py::arg("residual"), py::call_guard<py::gil_scoped_release>());
 
   py::module_ tp = m.def_submodule("tp", "tensor-parallel autograd ops over config()['tp_comm']");
   tp.def("copy_to_tp", &tp::copy_to_tp, py::call_guard<py::gil_scoped_release>());

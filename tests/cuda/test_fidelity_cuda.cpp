@@ -148,6 +148,38 @@ TEST(FidelityCuda, Gpt124mMatchesTheSameNumericsReferenceFor50Steps) {
             << v.name << " step " << s << " (the reference's re-runs differ from it by up to " << bound[static_cast<size_t>(s)] / 2
             << " so far)";
     }
+    // The fused MLP (GEMM epilogues: GELU on the fp32 sum, cuBLASLt's GELU gradient) rounds differently from the
+    // reference's separate ops everywhere, not in a last bit here and there, and after the spike that difference
+    // grows past the re-runs' spread (H200, 2026-12-02: 0.12 at step 23 against a spread of 0.016, while the
+    // engine variants stay inside it). So, per step within 1e-2 while the recipe is not chaotic (the re-runs agree
+    // to 5e-3: steps 0-9, where ours agree to ~5e-4), and then the level it trains to: the mean loss of the last 10
+    // steps within max(0.05, 2 x the widest gap between the re-runs' means).
+    const int tail = std::min(10, c.steps);
+    auto tail_mean = [&](const fidelity::Trace& t) {
+      double sum = 0;
+      for (int s = c.steps - tail; s < c.steps; ++s) sum += t.loss[s];
+      return sum / tail;
+    };
+    double mean_spread = 0;
+    for (size_t i = 0; i < ensemble.size(); ++i)
+      for (size_t j = i + 1; j < ensemble.size(); ++j)
+        mean_spread = std::max(mean_spread, std::abs(tail_mean(ensemble[i]) - tail_mean(ensemble[j])));
+    for (const fidelity::Variant& v : {fidelity::Variant{"zero3+epilogues", 3, false, false, true},
+                                       fidelity::Variant{"zero3+ckpt+epilogues", 3, true, false, true}}) {
+      ours.emplace_back(v.name, fidelity::run_ours(c, v, initial));
+      const fidelity::Trace& t = ours.back().second;
+      double spread = 0;
+      for (int s = 0; s < c.steps; ++s) {
+        for (size_t i = 0; i < ensemble.size(); ++i)
+          for (size_t j = i + 1; j < ensemble.size(); ++j)
+            spread = std::max(spread, std::abs(ensemble[i].loss[s] - ensemble[j].loss[s]));
+        if (spread >= 5e-3) break;
+        EXPECT_LE(std::abs(t.loss[s] - ref.loss[s]), 1e-2) << v.name << " step " << s;
+      }
+      EXPECT_LE(std::abs(tail_mean(t) - tail_mean(ref)), std::max(0.05, 2 * mean_spread))
+          << v.name << ": mean loss of the last " << tail << " steps " << tail_mean(t) << ", reference "
+          << tail_mean(ref) << " (its re-runs' means differ by up to " << mean_spread << ")";
+    }
     std::printf("fidelity gpt2-124m seq %ld batch %ld bf16, %d steps, deterministic %d (skipped / loss scale: ours "
                 "and reference, OptimManager without loss scaling)\nstep  reference", static_cast<long>(c.model.max_seq_len),
                 static_cast<long>(c.batch), c.steps, deterministic);

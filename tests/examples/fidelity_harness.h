@@ -21,6 +21,7 @@
 #include "bmt/block.h"
 #include "bmt/init.h"
 #include "bmt/module_state.h"
+#include "bmt/nn/fused_linear.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/optim_manager.h"
@@ -35,6 +36,10 @@ struct Variant {
   int zero = 3;
   bool checkpointing = false;
   bool offload = false;  // AdamOffloadOptimizer with the per-Block early start (loss scaling off), as the benchmark
+  // The MLP and residual adds in the GEMMs' epilogues (nn::gelu_mlp; CUDA only). Off in the engine variants, so
+  // that they and the reference run the same ops and differ only in what the engine does (sharding, summation
+  // orders, offload); the fused ops round differently (fewer times) and are checked on their own.
+  bool gemm_epilogues = false;
 };
 
 inline std::vector<Variant> all_variants() {
@@ -131,6 +136,11 @@ inline Trace run_reference(const Case& c, const bmt::StateDict& initial) {
 
 // bmtrain's trace for this rank (collective).
 inline Trace run_ours(const Case& c, const Variant& v, const bmt::StateDict& initial) {
+  struct EpiloguesSwitch {
+    bool before = bmt::nn::gemm_epilogues_enabled();
+    explicit EpiloguesSwitch(bool on) { bmt::nn::set_gemm_epilogues_enabled(on); }
+    ~EpiloguesSwitch() { bmt::nn::set_gemm_epilogues_enabled(before); }
+  } epilogues(v.gemm_epilogues);
   auto model = examples::make_model(c.model, {v.zero, v.checkpointing}, c.dtype);
   bmt::load_state_dict(*model, initial);
   std::vector<at::Tensor> params = model->parameters();

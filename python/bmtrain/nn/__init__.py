@@ -11,6 +11,9 @@ from ..layer import DistributedModule
 from ..parameter import DistributedParameter, ParameterInitializer
 
 _tp = _C.tp
+# The engine's layer ops: torch's on CPU; on CUDA our bias / LayerNorm gradient reductions (BMT_FUSED_REDUCTIONS=0:
+# torch's) and gelu_mlp / linear_residual with the elementwise work in the GEMMs' epilogues (BMT_GEMM_EPILOGUES=0).
+_nn = _C.nn
 
 
 def _dtype(dtype):
@@ -61,7 +64,7 @@ class Linear(DistributedModule):
                      if bias else None)
 
     def forward(self, input):
-        return F.linear(input, self.weight, self.bias)
+        return _nn.linear(input, self.weight, self.bias)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -89,7 +92,7 @@ class ColumnParallelLinear(DistributedModule):
 
     def forward(self, input):
         x = _tp.gather_rows(input) if self.gather_input else _tp.copy_to_tp(input)
-        y = F.linear(x, self.weight, self.bias)
+        y = _nn.linear(x, self.weight, self.bias)
         return _tp.gather_last_dim(y) if self.gather_output else y
 
     def extra_repr(self):
@@ -200,7 +203,7 @@ class LayerNorm(DistributedModule):
         self.bias = DistributedParameter(torch.empty(dim, dtype=dt), init_method=torch.nn.init.zeros_) if bias else None
 
     def forward(self, x):
-        return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+        return _nn.layer_norm(x, self.dim, self.weight, self.bias, self.eps)
 
 
 class Embedding(DistributedModule):

@@ -42,6 +42,9 @@ class PlannedLinear {
   // Output features this rank computes: out_features / tp_size for column-parallel layers, else out_features.
   int64_t local_out_features() const;
   torch::nn::Module& module() const;
+  // The dense Linear when the style is replicated (tp_size 1 or a replicated plan entry), else an empty holder:
+  // what a caller fusing this layer with its neighbours (nn::gelu_mlp, nn::linear_residual) needs.
+  Linear dense() const { return dense_; }
 
  private:
   friend class TpScope;

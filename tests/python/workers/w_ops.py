@@ -162,5 +162,49 @@ def fused_cross_entropy_half_gpu():
             assert_close(f"{dtype} weight={use_weight}: grad", x.grad.float(), x_ref.grad, rtol=2e-2, atol=0.1)
 
 
+@case
+def layer_ops_match_torch():
+    """bmtrain._C.nn (what bmt.nn.Linear / LayerNorm call; gelu_mlp and linear_residual for user MLPs): outputs and
+    every gradient against torch's functional ops. fp32 here (CUDA: our reductions; the epilogue GEMMs are bf16-only
+    and checked by bmt_nn_cuda_tests)."""
+    torch.manual_seed(5)
+    dev = device()
+
+    def leaves(*shapes):
+        return [torch.randn(*s, device=dev, dtype=torch.float32).mul_(0.3).requires_grad_() for s in shapes]
+
+    def grads_of(fn, tensors, gy):
+        for t in tensors:
+            t.grad = None
+        fn(*tensors).backward(gy)
+        return [t.grad.clone() for t in tensors]
+
+    x, w1, b1, w2, b2, r = leaves((2, 5, 8), (16, 8), (16,), (8, 16), (8,), (2, 5, 8))
+    ln_w, ln_b, w3 = leaves((8,), (8,), (8, 8))
+    gy = torch.randn(2, 5, 8, device=dev)
+    gh = torch.randn(2, 5, 16, device=dev)
+    mlp_ref = lambda x, w1, b1, w2, b2, r: r + F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+    cases = {
+        "linear": (lambda x, w, b: bmt._C.nn.linear(x, w, b), F.linear, [x, w1, b1], gh),
+        "linear without bias": (lambda x, w: bmt._C.nn.linear(x, w), F.linear, [x, w1], gh),
+        "layer_norm": (lambda x, w, b: bmt._C.nn.layer_norm(x, 8, w, b, 1e-5),
+                       lambda x, w, b: F.layer_norm(x, (8,), w, b, 1e-5), [x, ln_w, ln_b], gy),
+        "gelu_mlp": (lambda *t: bmt._C.nn.gelu_mlp(*t), mlp_ref, [x, w1, b1, w2, b2, r], gy),
+        "linear_residual": (lambda *t: bmt._C.nn.linear_residual(*t), lambda x, w, b, r: r + F.linear(x, w, b),
+                            [x, w3, b2, r], gy),
+    }
+    for name, (ours, ref, tensors, g) in cases.items():
+        assert_close(f"{name} forward", ours(*tensors), ref(*tensors), rtol=1e-5, atol=1e-5)
+        for i, (a, b) in enumerate(zip(grads_of(ours, tensors, g), grads_of(ref, tensors, g))):
+            assert_close(f"{name} grad of input {i}", a, b, rtol=1e-5, atol=1e-5)
+    # A wrong feature count is the engine's error, named.
+    try:
+        bmt._C.nn.gelu_mlp(x, w1, b1, w1, b2)
+    except RuntimeError as e:
+        assert "c_proj weight" in str(e), e
+    else:
+        raise AssertionError("gelu_mlp accepted a c_proj weight of the wrong shape")
+
+
 if __name__ == "__main__":
     main()

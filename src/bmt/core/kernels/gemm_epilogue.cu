@@ -1,0 +1,165 @@
+// The fused-epilogue GEMMs on cuBLASLt (gemm_epilogue_internal.h). No kernels of ours: cuBLASLt's GEMMs apply
+// the bias, GELU (keeping the pre-activation), GELU's gradient and the bias gradient as they write.
+//
+// Row-major -> cuBLASLt's column-major: a row-major [r, c] matrix is a column-major [c, r] one, so
+//   out^T[cols, rows] = op(b)^T . a^T   i.e. A' = b (op T if b_transposed), B' = a (op N), D' = out (ld cols),
+// which puts the features on D's rows: the bias and the bias gradient are per row of D', as cuBLASLt wants.
+//
+// One cuBLASLt handle per device, created on first use; the algorithm for each problem (shape, dtype, epilogue,
+// operands' alignment) is asked of the heuristic once and cached, so the hot path only builds descriptors.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "bmt/core/error.h"
+#include "bmt/core/kernels/gemm_epilogue_internal.h"
+
+namespace bmt::core::kernels {
+namespace {
+
+#define BMT_CUBLASLT_CHECK(expr)                                                                     \
+  do {                                                                                               \
+    const cublasStatus_t _st = (expr);                                                               \
+    BMT_CHECK(_st == CUBLAS_STATUS_SUCCESS, "cuBLASLt: ", #expr, " failed: ", cublasLtGetStatusString(_st)); \
+  } while (0)
+
+constexpr int kMaxDevices = 64;
+
+cublasLtHandle_t handle_for(int device) {
+  static std::mutex mu;
+  static std::array<cublasLtHandle_t, kMaxDevices> handles{};
+  BMT_CHECK(device >= 0 && device < kMaxDevices, "gemm_epilogue_cuda: device ", device, " out of range");
+  std::lock_guard<std::mutex> lock(mu);
+  if (!handles[device]) BMT_CUBLASLT_CHECK(cublasLtCreate(&handles[device]));
+  return handles[device];
+}
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kBFloat16: return CUDA_R_16BF;
+    case DType::kFloat16: return CUDA_R_16F;
+    default: BMT_ERROR("gemm_epilogue_cuda: dtype ", dtype_name(t), " is not bf16 or fp16");
+  }
+}
+
+cublasLtEpilogue_t lt_epilogue(const GemmEpilogueArgs& g) {
+  switch (g.epilogue) {
+    case GemmEpilogue::kBias: return g.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    case GemmEpilogue::kGeluAuxBias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case GemmEpilogue::kDGeluBGrad: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
+    case GemmEpilogue::kDGelu: return CUBLASLT_EPILOGUE_DGELU;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// The largest power of two up to 16 dividing every operand's address.
+uint32_t common_alignment(const GemmEpilogueArgs& g) {
+  uintptr_t bits = 16;
+  for (const void* p : {g.a, g.b, static_cast<const void*>(g.out), static_cast<const void*>(g.bias),
+                        static_cast<const void*>(g.aux), g.residual})
+    if (p) bits |= reinterpret_cast<uintptr_t>(p);
+  return static_cast<uint32_t>(bits & (~bits + 1));  // lowest set bit
+}
+
+// RAII for the descriptors of one call.
+struct Descriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~Descriptors() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (d) cublasLtMatrixLayoutDestroy(d);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+template <typename T>
+void set_op(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attr, const T& v) {
+  BMT_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(op, attr, &v, sizeof(v)));
+}
+
+// (device, rows, cols, inner, b_transposed, dtype, epilogue, residual?, bias?, alignment, workspace) -> algorithm
+using ProblemKey = std::tuple<int, int64_t, int64_t, int64_t, bool, int, int, bool, bool, uint32_t, size_t>;
+struct CachedAlgo {
+  bool found = false;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+}  // namespace
+
+bool gemm_epilogue_cuda(const GemmEpilogueArgs& g, void* workspace, size_t workspace_nbytes, void* stream) {
+  check_gemm_epilogue_args(g, "gemm_epilogue_cuda");
+  if (g.dtype != DType::kBFloat16 && g.dtype != DType::kFloat16) return false;
+  if (g.rows == 0 || g.cols == 0 || g.inner == 0) return false;  // nothing to multiply: the caller's ops handle it
+  if (g.aux && g.cols % 8 != 0) return false;                   // cuBLASLt: the aux leading dimension % 8 == 0
+  const uint32_t align = common_alignment(g);
+  if (align < 2) return false;
+  int device = 0;
+  BMT_CHECK(cudaGetDevice(&device) == cudaSuccess, "gemm_epilogue_cuda: cudaGetDevice failed");
+  cublasLtHandle_t handle = handle_for(device);
+
+  const cudaDataType_t type = cuda_type(g.dtype);
+  Descriptors desc;
+  BMT_CUBLASLT_CHECK(cublasLtMatmulDescCreate(&desc.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_a = g.b_transposed ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = CUBLAS_OP_N;
+  set_op(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
+  set_op(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
+  set_op(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(g));
+  if (g.bias) set_op(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<void*>(g.bias));
+  if (g.aux) {
+    set_op(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(g.aux));
+    set_op(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(g.cols));
+  }
+  // A' = b: column-major [inner, cols] (ld inner) read transposed, or [cols, inner] (ld cols) as is.
+  if (g.b_transposed)
+    BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, type, g.inner, g.cols, g.inner));
+  else
+    BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, type, g.cols, g.inner, g.cols));
+  BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, type, g.inner, g.rows, g.inner));  // B' = a
+  BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, type, g.cols, g.rows, g.cols));    // C' = D' = out
+
+  static std::mutex cache_mu;
+  static std::map<ProblemKey, CachedAlgo> cache;
+  const ProblemKey key{device, g.rows, g.cols, g.inner, g.b_transposed, static_cast<int>(g.dtype),
+                       static_cast<int>(g.epilogue), g.residual != nullptr, g.bias != nullptr, align,
+                       workspace_nbytes};
+  CachedAlgo algo;
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) {
+      algo = it->second;
+    } else {
+      BMT_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
+      const uint64_t ws = workspace_nbytes;
+      BMT_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                              &ws, sizeof(ws)));
+      for (cublasLtMatmulPreferenceAttributes_t attr :
+           {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+        BMT_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &align, sizeof(align)));
+      cublasLtMatmulHeuristicResult_t result{};
+      int returned = 0;
+      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d,
+                                                               desc.pref, 1, &result, &returned);
+      algo.found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS;
+      if (algo.found) algo.algo = result.algo;
+      cache.emplace(key, algo);
+    }
+  }
+  if (!algo.found) return false;
+  const float alpha = 1.0f, beta = g.residual ? 1.0f : 0.0f;
+  const void* c = g.residual ? g.residual : g.out;
+  BMT_CUBLASLT_CHECK(cublasLtMatmul(handle, desc.op, &alpha, g.b, desc.a, g.a, desc.b, &beta, c, desc.d, g.out, desc.d,
+                                    &algo.algo, workspace, workspace_nbytes, static_cast<cudaStream_t>(stream)));
+  return true;
+}
+
+}  // namespace bmt::core::kernels

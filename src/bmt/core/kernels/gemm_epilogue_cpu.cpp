@@ -1,0 +1,117 @@
+// CPU twin of the fused-epilogue GEMMs (gemm_epilogue_internal.h): plain loops in fp64, the reference the CUDA
+// test compares with, and the shared argument checks. Not fast: the LibTorch layer's CPU path uses torch's ops.
+#include <cmath>
+#include <vector>
+
+#include "bmt/core/error.h"
+#include "bmt/core/kernels/gemm_epilogue_internal.h"
+
+namespace bmt::core::kernels {
+namespace {
+
+double load(const void* p, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kFloat32: return static_cast<const float*>(p)[i];
+    case DType::kBFloat16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::kFloat16: return fp16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: BMT_ERROR("gemm_epilogue: dtype ", dtype_name(dtype), " is not fp32, bf16 or fp16");
+  }
+}
+
+void store(void* p, DType dtype, int64_t i, double v) {
+  const float f = static_cast<float>(v);
+  switch (dtype) {
+    case DType::kFloat32: static_cast<float*>(p)[i] = f; break;
+    case DType::kBFloat16: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(f); break;
+    case DType::kFloat16: static_cast<uint16_t*>(p)[i] = float_to_fp16_bits(f); break;
+    default: BMT_ERROR("gemm_epilogue: dtype ", dtype_name(dtype), " is not fp32, bf16 or fp16");
+  }
+}
+
+constexpr double kSqrt2OverPi = 0.7978845608028654, kCubic = 0.044715;
+
+double gelu_tanh_d(double x) { return 0.5 * x * (1.0 + std::tanh(kSqrt2OverPi * (x + kCubic * x * x * x))); }
+
+double gelu_tanh_grad_d(double x) {
+  const double t = std::tanh(kSqrt2OverPi * (x + kCubic * x * x * x));
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * kSqrt2OverPi * (1.0 + 3.0 * kCubic * x * x);
+}
+
+}  // namespace
+
+const char* gemm_epilogue_name(GemmEpilogue e) {
+  switch (e) {
+    case GemmEpilogue::kBias: return "bias";
+    case GemmEpilogue::kGeluAuxBias: return "gelu_aux_bias";
+    case GemmEpilogue::kDGeluBGrad: return "dgelu_bgrad";
+    case GemmEpilogue::kDGelu: return "dgelu";
+  }
+  return "unknown";
+}
+
+float gelu_tanh(float x) { return static_cast<float>(gelu_tanh_d(x)); }
+float gelu_tanh_grad(float x) { return static_cast<float>(gelu_tanh_grad_d(x)); }
+
+void check_gemm_epilogue_args(const GemmEpilogueArgs& g, const char* op) {
+  BMT_CHECK(g.rows >= 0 && g.cols >= 0 && g.inner >= 0, op, ": negative shape rows=", g.rows, " cols=", g.cols,
+            " inner=", g.inner);
+  BMT_CHECK(g.dtype == DType::kFloat32 || g.dtype == DType::kBFloat16 || g.dtype == DType::kFloat16, op,
+            ": dtype ", dtype_name(g.dtype), " is not fp32, bf16 or fp16");
+  const bool empty = g.rows == 0 || g.cols == 0;
+  BMT_CHECK(empty || (g.out && (g.inner == 0 || (g.a && g.b))), op, ": null a, b or out for a ", g.rows, "x",
+            g.cols, "x", g.inner, " problem");
+  const char* epi = gemm_epilogue_name(g.epilogue);
+  switch (g.epilogue) {
+    case GemmEpilogue::kBias: break;
+    case GemmEpilogue::kGeluAuxBias:
+      BMT_CHECK(empty || (g.bias && g.aux), op, ": epilogue ", epi, " needs a bias and an aux (pre-activation) output");
+      break;
+    case GemmEpilogue::kDGeluBGrad:
+      BMT_CHECK(g.cols == 0 || g.bias, op, ": epilogue ", epi, " needs a bias-gradient output");
+      BMT_CHECK(empty || g.aux, op, ": epilogue ", epi, " needs the forward's pre-activation (aux)");
+      break;
+    case GemmEpilogue::kDGelu:
+      BMT_CHECK(empty || g.aux, op, ": epilogue ", epi, " needs the forward's pre-activation (aux)");
+      break;
+  }
+  BMT_CHECK(!g.residual || g.epilogue == GemmEpilogue::kBias, op, ": a residual is added only with the bias epilogue, not ",
+            epi);
+}
+
+void gemm_epilogue_cpu(const GemmEpilogueArgs& g) {
+  check_gemm_epilogue_args(g, "gemm_epilogue_cpu");
+  const DType dt = g.dtype;
+  std::vector<double> bias_grad(g.epilogue == GemmEpilogue::kDGeluBGrad ? g.cols : 0, 0.0);
+  for (int64_t r = 0; r < g.rows; ++r) {
+    for (int64_t c = 0; c < g.cols; ++c) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < g.inner; ++k) {
+        const double bv = g.b_transposed ? load(g.b, dt, c * g.inner + k) : load(g.b, dt, k * g.cols + c);
+        acc += load(g.a, dt, r * g.inner + k) * bv;
+      }
+      const int64_t o = r * g.cols + c;
+      switch (g.epilogue) {
+        case GemmEpilogue::kBias:
+          if (g.bias) acc += load(g.bias, dt, c);
+          if (g.residual) acc += load(g.residual, dt, o);
+          store(g.out, dt, o, acc);
+          break;
+        case GemmEpilogue::kGeluAuxBias:
+          acc += load(g.bias, dt, c);
+          store(g.aux, dt, o, acc);
+          store(g.out, dt, o, gelu_tanh_d(acc));
+          break;
+        case GemmEpilogue::kDGeluBGrad:
+        case GemmEpilogue::kDGelu: {
+          const double d = acc * gelu_tanh_grad_d(load(g.aux, dt, o));
+          store(g.out, dt, o, d);
+          if (g.epilogue == GemmEpilogue::kDGeluBGrad) bias_grad[c] += d;
+          break;
+        }
+      }
+    }
+  }
+  for (int64_t c = 0; c < static_cast<int64_t>(bias_grad.size()); ++c) store(g.bias, dt, c, bias_grad[c]);
+}
+
+}  // namespace bmt::core::kernels

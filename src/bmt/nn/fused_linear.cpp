@@ -1,0 +1,268 @@
+#include "bmt/nn/fused_linear.h"
+
+#include <torch/autograd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+
+#include "bmt/core/error.h"
+#include "bmt/core/kernels/gemm_epilogue_internal.h"
+#include "bmt/nn/fused_reductions.h"
+#include "bmt/tensor_adapter_internal.h"
+
+#ifdef BMT_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace bmt::nn {
+namespace {
+
+namespace k = core::kernels;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::atomic<int> g_enabled{-1};  // -1: not yet read from the environment
+std::atomic<int> g_backward{-1};
+
+// One epilogue GEMM on row-major 2-D tensors: on CUDA cuBLASLt (false when it has no algorithm), on CPU the twin.
+bool run_gemm(k::GemmEpilogue epilogue, const at::Tensor& a, const at::Tensor& b, bool b_transposed,
+              const at::Tensor& out, const at::Tensor& bias, const at::Tensor& aux, const at::Tensor& residual) {
+  k::GemmEpilogueArgs g;
+  g.rows = a.size(0);
+  g.inner = a.size(1);
+  g.cols = out.size(1);
+  g.a = a.data_ptr();
+  g.b = b.data_ptr();
+  g.b_transposed = b_transposed;
+  g.out = out.data_ptr();
+  g.dtype = to_core_dtype(a.scalar_type());
+  g.epilogue = epilogue;
+  g.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  g.aux = aux.defined() ? aux.data_ptr() : nullptr;
+  g.residual = residual.defined() ? residual.data_ptr() : nullptr;
+  if (!a.is_cuda()) {
+    k::gemm_epilogue_cpu(g);
+    return true;
+  }
+#ifdef BMT_WITH_CUDA
+  c10::cuda::CUDAGuard guard(a.device());
+  // (from the caching allocator, so it is ordered on this stream and lives in a CUDA graph's pool when captured)
+  const at::Tensor ws = at::empty({static_cast<int64_t>(k::kGemmEpilogueWorkspaceNbytes)}, a.options().dtype(at::kByte));
+  return k::gemm_epilogue_cuda(g, ws.data_ptr(), k::kGemmEpilogueWorkspaceNbytes, current_stream_handle(a));
+#else
+  BMT_ERROR("nn::gelu_mlp: CUDA tensors, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
+#endif
+}
+
+// cuBLASLt's DGELU kernels for small problems split K and round the partial sums to bf16 (H200: 0.0625 off at a
+// 128 x 768 output with K = 3072, tests/cuda/test_gemm_epilogue_cuda.cpp). The GPT shapes measured (16384 x 3072,
+// 16384 x 8192) ran whole-K kernels and matched the reference; small problems cost little done separately.
+constexpr int64_t kDGeluMinOutputs = int64_t{1} << 22;
+
+at::Tensor rows_of(const at::Tensor& t, int64_t width) { return t.contiguous().view({-1, width}); }
+
+// x w^T + b [+ residual] into a new [rows, out] tensor.
+at::Tensor linear_bias_residual(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b,
+                                const at::Tensor& residual2) {
+  at::Tensor y = at::empty({x2.size(0), w.size(0)}, x2.options());
+  if (run_gemm(k::GemmEpilogue::kBias, x2, w, true, y, b, at::Tensor(), residual2)) return y;
+  y = at::addmm(b, x2, w.t());
+  return residual2.defined() ? y.add_(residual2) : y;
+}
+
+std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
+  std::vector<int64_t> s(sizes.begin(), sizes.end());
+  s.back() = last;
+  return s;
+}
+
+struct GeluMlpFn : torch::autograd::Function<GeluMlpFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
+                            const at::Tensor& w_proj, const at::Tensor& b_proj,
+                            const std::optional<at::Tensor>& residual) {
+    const int64_t in = w_fc.size(1), hidden = w_fc.size(0), out = w_proj.size(0);
+    const at::Tensor x2 = rows_of(x, in);
+    at::Tensor pre = at::empty({x2.size(0), hidden}, x2.options()), h = at::empty_like(pre);
+    if (!run_gemm(k::GemmEpilogue::kGeluAuxBias, x2, w_fc.contiguous(), true, h, b_fc, pre, at::Tensor())) {
+      pre = at::addmm(b_fc, x2, w_fc.t());
+      h = at::gelu(pre, "tanh");
+    }
+    const at::Tensor res2 = residual ? rows_of(*residual, out) : at::Tensor();
+    const at::Tensor y = linear_bias_residual(h, w_proj.contiguous(), b_proj, res2);
+    ctx->save_for_backward({x2, w_fc, w_proj, pre, h});
+    ctx->saved_data["has_residual"] = residual.has_value();
+    return y.view(with_last(x.sizes(), out));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x2 = saved[0], &w_fc = saved[1], &w_proj = saved[2], &pre = saved[3], &h = saved[4];
+    const int64_t out = w_proj.size(0);
+    const at::Tensor dy2 = rows_of(grads[0], out);
+    at::Tensor dx, dw_fc, db_fc, dw_proj, db_proj, dres;
+    if (ctx->needs_input_grad(3)) dw_proj = dy2.t().mm(h);
+    if (ctx->needs_input_grad(4)) db_proj = column_sum(dy2, w_proj.scalar_type());
+    if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(5)) dres = grads[0];
+    if (ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
+      // d pre = (dy w_proj) * gelu'(pre), and its column sums (c_fc's bias gradient), in one GEMM
+      // (or the GEMM with GELU's gradient and our column sums, or three separate ops: gelu_mlp_backward())
+      at::Tensor dpre = at::empty_like(pre), db;
+      const GeluMlpBackward mode = gelu_mlp_backward();
+      bool done = false;
+      if (mode == GeluMlpBackward::kDGeluBGrad) {
+        db = at::empty({pre.size(1)}, pre.options());
+        done = run_gemm(k::GemmEpilogue::kDGeluBGrad, dy2, w_proj.contiguous(), false, dpre, db, pre, at::Tensor());
+      } else if (mode == GeluMlpBackward::kDGelu && pre.numel() >= kDGeluMinOutputs) {
+        done = run_gemm(k::GemmEpilogue::kDGelu, dy2, w_proj.contiguous(), false, dpre, at::Tensor(), pre, at::Tensor());
+        if (done && ctx->needs_input_grad(2)) db = column_sum(dpre, w_fc.scalar_type());
+      }
+      if (!done) {
+        dpre = at::gelu_backward(dy2.mm(w_proj), pre, "tanh");
+        if (ctx->needs_input_grad(2)) db = column_sum(dpre, w_fc.scalar_type());
+      }
+      if (ctx->needs_input_grad(0)) dx = dpre.mm(w_fc).view(with_last(grads[0].sizes(), w_fc.size(1)));
+      if (ctx->needs_input_grad(1)) dw_fc = dpre.t().mm(x2);
+      if (ctx->needs_input_grad(2)) db_fc = db;
+    }
+    return {dx, dw_fc, db_fc, dw_proj, db_proj, dres};
+  }
+};
+
+struct LinearResidualFn : torch::autograd::Function<LinearResidualFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                            const at::Tensor& residual) {
+    const int64_t in = weight.size(1), out = weight.size(0);
+    const at::Tensor x2 = rows_of(x, in);
+    ctx->save_for_backward({x2, weight});
+    return linear_bias_residual(x2, weight.contiguous(), bias, rows_of(residual, out)).view(with_last(x.sizes(), out));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x2 = saved[0], &weight = saved[1];
+    const at::Tensor dy2 = rows_of(grads[0], weight.size(0));
+    at::Tensor dx, dw, db, dres;
+    if (ctx->needs_input_grad(0)) dx = dy2.mm(weight).view(with_last(grads[0].sizes(), weight.size(1)));
+    if (ctx->needs_input_grad(1)) dw = dy2.t().mm(x2);
+    if (ctx->needs_input_grad(2)) db = column_sum(dy2, weight.scalar_type());
+    if (ctx->needs_input_grad(3)) dres = grads[0];
+    return {dx, dw, db, dres};
+  }
+};
+
+bool half_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+void check_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const char* op, const char* what) {
+  BMT_CHECK(w.defined() && b.defined(), op, ": ", what, " needs a weight and a bias");
+  BMT_CHECK(w.dim() == 2 && b.dim() == 1 && b.size(0) == w.size(0), op, ": ", what, " weight ", w.sizes(),
+            " and bias ", b.sizes(), " do not match");
+  BMT_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1), op, ": ", what, " input ", x.sizes(), " does not match weight ",
+            w.sizes());
+}
+
+void check_residual(const at::Tensor& residual, const at::Tensor& x, int64_t out, const char* op) {
+  if (!residual.defined()) return;
+  BMT_CHECK(residual.sizes() == at::IntArrayRef(with_last(x.sizes(), out)), op, ": residual ", residual.sizes(),
+            " does not match the output ", at::IntArrayRef(with_last(x.sizes(), out)));
+}
+
+// The fused path: CUDA, bf16/fp16 throughout, the switch on, and gradients wanted (without them autograd is not
+// involved and the separate ops cost the same minus the saved tensors).
+bool fused_path_applies(std::initializer_list<const at::Tensor*> ts) {
+  if (!gemm_epilogues_enabled() || !at::GradMode::is_enabled()) return false;
+  const at::Tensor& x = **ts.begin();
+  if (!x.is_cuda() || !half_dtype(x.scalar_type())) return false;
+  bool grad = false;
+  for (const at::Tensor* t : ts) {
+    if (!t->defined()) continue;
+    if (t->scalar_type() != x.scalar_type() || t->device() != x.device()) return false;
+    grad = grad || t->requires_grad();
+  }
+  return grad;
+}
+
+}  // namespace
+
+bool gemm_epilogues_enabled() {
+  int v = g_enabled.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("BMT_GEMM_EPILOGUES");
+    v = (e && std::strcmp(e, "0") == 0) ? 0 : 1;
+    g_enabled.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void set_gemm_epilogues_enabled(bool enabled) { g_enabled.store(enabled ? 1 : 0, std::memory_order_relaxed); }
+
+GeluMlpBackward gelu_mlp_backward() {
+  int v = g_backward.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("BMT_GELU_MLP_BACKWARD");
+    const std::string s = e ? e : "";
+    if (s.empty() || s == "dgelu") v = static_cast<int>(GeluMlpBackward::kDGelu);
+    else if (s == "dgelu_bgrad") v = static_cast<int>(GeluMlpBackward::kDGeluBGrad);
+    else if (s == "separate") v = static_cast<int>(GeluMlpBackward::kSeparate);
+    else BMT_ERROR("BMT_GELU_MLP_BACKWARD=", s, ": expected dgelu, dgelu_bgrad or separate");
+    g_backward.store(v, std::memory_order_relaxed);
+  }
+  return static_cast<GeluMlpBackward>(v);
+}
+
+void set_gelu_mlp_backward(GeluMlpBackward mode) { g_backward.store(static_cast<int>(mode), std::memory_order_relaxed); }
+
+namespace {
+
+// The MLP's shapes (biases may be missing: the separate ops take that).
+void check_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
+               const at::Tensor& b_proj, const at::Tensor& residual) {
+  BMT_CHECK(w_fc.defined() && w_fc.dim() == 2 && x.dim() >= 1 && x.size(-1) == w_fc.size(1), "nn::gelu_mlp: input ",
+            x.sizes(), " does not match c_fc weight ", w_fc.defined() ? w_fc.sizes() : at::IntArrayRef());
+  BMT_CHECK(w_proj.defined() && w_proj.dim() == 2 && w_proj.size(1) == w_fc.size(0), "nn::gelu_mlp: c_proj weight ",
+            w_proj.defined() ? w_proj.sizes() : at::IntArrayRef(), " does not take c_fc's ", w_fc.size(0), " features");
+  BMT_CHECK(!b_fc.defined() || (b_fc.dim() == 1 && b_fc.size(0) == w_fc.size(0)), "nn::gelu_mlp: c_fc bias ",
+            b_fc.sizes(), " does not match its ", w_fc.size(0), " output features");
+  BMT_CHECK(!b_proj.defined() || (b_proj.dim() == 1 && b_proj.size(0) == w_proj.size(0)), "nn::gelu_mlp: c_proj bias ",
+            b_proj.sizes(), " does not match its ", w_proj.size(0), " output features");
+  check_residual(residual, x, w_proj.size(0), "nn::gelu_mlp");
+}
+
+}  // namespace
+
+at::Tensor gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
+                          const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual) {
+  BMT_CHECK(b_fc.defined() && b_proj.defined(), "nn::gelu_mlp_fused: c_fc and c_proj need biases");
+  check_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
+  return GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
+                          residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt);
+}
+
+at::Tensor linear_residual_fused(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                 const at::Tensor& residual) {
+  check_linear(x, weight, bias, "nn::linear_residual", "the linear");
+  BMT_CHECK(residual.defined(), "nn::linear_residual: needs a residual");
+  check_residual(residual, x, weight.size(0), "nn::linear_residual");
+  return LinearResidualFn::apply(x, weight, bias, residual);
+}
+
+at::Tensor gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
+                    const at::Tensor& b_proj, const at::Tensor& residual) {
+  check_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
+  if (b_fc.defined() && b_proj.defined() && fused_path_applies({&x, &w_fc, &b_fc, &w_proj, &b_proj, &residual}))
+    return GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
+                            residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt);
+  at::Tensor y = linear(at::gelu(linear(x, w_fc, b_fc), "tanh"), w_proj, b_proj);
+  return residual.defined() ? residual + y : y;
+}
+
+at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           const at::Tensor& residual) {
+  if (bias.defined() && fused_path_applies({&x, &weight, &bias, &residual}))
+    return linear_residual_fused(x, weight, bias, residual);
+  return residual + linear(x, weight, bias);
+}
+
+}  // namespace bmt::nn

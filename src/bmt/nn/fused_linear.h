@@ -1,0 +1,43 @@
+// A GPT block's MLP and its residual projections with the elementwise work done by the GEMMs' epilogues
+// (core/kernels/gemm_epilogue): c_fc's bias + GELU in its GEMM (keeping the pre-activation), GELU's gradient and
+// c_fc's bias gradient in c_proj's input-gradient GEMM, the residual add in c_proj's GEMM. Numerically these are
+// the unfused ops with fewer roundings (GELU reads the fp32 sum, not its bf16 copy).
+//
+// On CUDA bf16/fp16 tensors that need gradients, with BMT_GEMM_EPILOGUES unset or 1; elsewhere (CPU, fp32, no
+// gradients, BMT_GEMM_EPILOGUES=0 or set_gemm_epilogues_enabled(false)) the same results from separate ops
+// (nn::linear, at::gelu). A GEMM cuBLASLt has no fused algorithm for falls back to separate ops by itself.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace bmt::nn {
+
+// y = [residual +] gelu_tanh(x w_fc^T + b_fc) w_proj^T + b_proj. residual may be undefined.
+at::Tensor gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
+                    const at::Tensor& b_proj, const at::Tensor& residual = at::Tensor());
+// y = residual + x w^T + b.
+at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           const at::Tensor& residual);
+
+// The fused autograd functions on any device, whatever the switch (CPU: the epilogue GEMMs' CPU twin, slow; for
+// tests). gelu_mlp_fused needs a residual; pass at::Tensor() for none.
+at::Tensor gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
+                          const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual);
+at::Tensor linear_residual_fused(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                 const at::Tensor& residual);
+
+// Default: on unless the environment sets BMT_GEMM_EPILOGUES=0.
+bool gemm_epilogues_enabled();
+void set_gemm_epilogues_enabled(bool enabled);
+
+// How the fused MLP's backward gets d pre = (dy w_proj) * gelu'(pre) and c_fc's bias gradient:
+//   kDGelu       cuBLASLt's DGELU epilogue, then our column sums (default)
+//   kDGeluBGrad  cuBLASLt's DGELU_BGRAD (both in the GEMM's epilogue)
+//   kSeparate    torch's GEMM, torch's GELU backward, our column sums
+// BMT_GELU_MLP_BACKWARD=dgelu|dgelu_bgrad|separate. (On the H200, DGELU_BGRAD runs as a GEMM plus a separate
+// epilogue kernel slower than torch's GELU backward: bench/run_epilogue_bench.sh.)
+enum class GeluMlpBackward { kDGelu, kDGeluBGrad, kSeparate };
+GeluMlpBackward gelu_mlp_backward();
+void set_gelu_mlp_backward(GeluMlpBackward mode);
+
+}  // namespace bmt::nn
