@@ -210,3 +210,32 @@ TEST(FusedLinearCpu, ShapeErrorsNameTheLayer) {
     EXPECT_NE(std::string(e.what()).find("residual"), std::string::npos) << e.what();
   }
 }
+
+TEST(FusedLinearCpu, OutputsTakeInPlaceOpsAndStridedBiasesAreRead) {
+  at::manual_seed(8);
+  const Mlp m = make_mlp(at::kFloat, 2, 3, 8, 16);
+  // Biases that are strided views (every other element of a longer vector).
+  const at::Tensor b1_long = at::randn({32}), b2_long = at::randn({16});
+  at::Tensor b1 = leaf(b1_long).slice(0, 0, 32, 2), b2 = leaf(b2_long).slice(0, 0, 16, 2);
+  ASSERT_FALSE(b1.is_contiguous());
+  at::Tensor w1 = leaf(m.w_fc), w2 = leaf(m.w_proj);
+  at::Tensor y = bmt::nn::gelu_mlp_fused(m.x, w1, b1, w2, b2, at::Tensor());
+  const at::Tensor want = at::linear(at::gelu(at::linear(m.x, m.w_fc, b1.detach()), "tanh"), m.w_proj, b2.detach());
+  expect_near(y, want, 1e-5, "strided biases");
+  y.mul_(2).sum().backward();  // an in-place op on the output (a view there would refuse it)
+  ASSERT_TRUE(w2.grad().defined());
+  at::Tensor r = leaf(m.residual);
+  at::Tensor y2 = bmt::nn::linear_residual_fused(m.x, leaf(at::randn({8, 8})), b2, r);
+  y2.add_(1).sum().backward();
+  EXPECT_TRUE(at::equal(r.grad(), at::ones_like(m.residual)));
+}
+
+TEST(FusedLinearCpu, MixedDtypesAreAnErrorNotAReinterpretation) {
+  const Mlp m = make_mlp(at::kBFloat16, 1, 2, 8, 16);
+  try {
+    bmt::nn::gelu_mlp_fused(m.x, m.w_fc.to(at::kFloat), m.b_fc, m.w_proj, m.b_proj, at::Tensor());
+    FAIL() << "no error";
+  } catch (const bmt::core::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("input's dtype and device"), std::string::npos) << e.what();
+  }
+}

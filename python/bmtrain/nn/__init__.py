@@ -11,8 +11,9 @@ from ..layer import DistributedModule
 from ..parameter import DistributedParameter, ParameterInitializer
 
 _tp = _C.tp
-# The engine's layer ops: torch's on CPU; on CUDA our bias / LayerNorm gradient reductions (BMT_FUSED_REDUCTIONS=0:
-# torch's) and gelu_mlp / linear_residual with the elementwise work in the GEMMs' epilogues (BMT_GEMM_EPILOGUES=0).
+# The engine's layer ops (Linear, ColumnParallelLinear and LayerNorm call them): torch's on CPU and under autocast;
+# on CUDA our bias / LayerNorm gradient reductions (BMT_FUSED_REDUCTIONS=0: torch's). _nn.gelu_mlp and
+# _nn.linear_residual (the GEMM-epilogue MLP, BMT_GEMM_EPILOGUES=0: separate ops) are there for user models.
 _nn = _C.nn
 
 

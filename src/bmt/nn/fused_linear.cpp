@@ -1,5 +1,6 @@
 #include "bmt/nn/fused_linear.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 
 #include <atomic>
@@ -86,15 +87,17 @@ struct GeluMlpFn : torch::autograd::Function<GeluMlpFn> {
     const int64_t in = w_fc.size(1), hidden = w_fc.size(0), out = w_proj.size(0);
     const at::Tensor x2 = rows_of(x, in);
     at::Tensor pre = at::empty({x2.size(0), hidden}, x2.options()), h = at::empty_like(pre);
-    if (!run_gemm(k::GemmEpilogue::kGeluAuxBias, x2, w_fc.contiguous(), true, h, b_fc, pre, at::Tensor())) {
+    const at::Tensor w1 = w_fc.contiguous(), b1 = b_fc.contiguous();
+    if (!run_gemm(k::GemmEpilogue::kGeluAuxBias, x2, w1, true, h, b1, pre, at::Tensor())) {
       pre = at::addmm(b_fc, x2, w_fc.t());
       h = at::gelu(pre, "tanh");
     }
     const at::Tensor res2 = residual ? rows_of(*residual, out) : at::Tensor();
-    const at::Tensor y = linear_bias_residual(h, w_proj.contiguous(), b_proj, res2);
+    const at::Tensor y = linear_bias_residual(h, w_proj.contiguous(), b_proj.contiguous(), res2);
     ctx->save_for_backward({x2, w_fc, w_proj, pre, h});
     ctx->saved_data["has_residual"] = residual.has_value();
-    return y.view(with_last(x.sizes(), out));
+    // (_unsafe_view: a view made inside a custom function could not be modified in place by the caller)
+    return at::_unsafe_view(y, with_last(x.sizes(), out));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -137,7 +140,8 @@ struct LinearResidualFn : torch::autograd::Function<LinearResidualFn> {
     const int64_t in = weight.size(1), out = weight.size(0);
     const at::Tensor x2 = rows_of(x, in);
     ctx->save_for_backward({x2, weight});
-    return linear_bias_residual(x2, weight.contiguous(), bias, rows_of(residual, out)).view(with_last(x.sizes(), out));
+    return at::_unsafe_view(linear_bias_residual(x2, weight.contiguous(), bias.contiguous(), rows_of(residual, out)),
+                            with_last(x.sizes(), out));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -163,6 +167,14 @@ void check_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
             w.sizes());
 }
 
+void check_same_kind(std::initializer_list<const at::Tensor*> ts, const char* op) {
+  const at::Tensor& x = **ts.begin();
+  for (const at::Tensor* t : ts)
+    BMT_CHECK(!t->defined() || (t->scalar_type() == x.scalar_type() && t->device() == x.device()), op,
+              ": every operand must have the input's dtype and device (", x.scalar_type(), " on ", x.device(),
+              "), got ", t->scalar_type(), " on ", t->device());
+}
+
 void check_residual(const at::Tensor& residual, const at::Tensor& x, int64_t out, const char* op) {
   if (!residual.defined()) return;
   BMT_CHECK(residual.sizes() == at::IntArrayRef(with_last(x.sizes(), out)), op, ": residual ", residual.sizes(),
@@ -174,7 +186,8 @@ void check_residual(const at::Tensor& residual, const at::Tensor& x, int64_t out
 bool fused_path_applies(std::initializer_list<const at::Tensor*> ts) {
   if (!gemm_epilogues_enabled() || !at::GradMode::is_enabled()) return false;
   const at::Tensor& x = **ts.begin();
-  if (!x.is_cuda() || !half_dtype(x.scalar_type())) return false;
+  // (under autocast the ops inside would run in another dtype than the backward's operands)
+  if (!x.is_cuda() || !half_dtype(x.scalar_type()) || at::autocast::is_autocast_enabled(at::kCUDA)) return false;
   bool grad = false;
   for (const at::Tensor* t : ts) {
     if (!t->defined()) continue;
@@ -236,6 +249,7 @@ at::Tensor gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at:
                           const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual) {
   BMT_CHECK(b_fc.defined() && b_proj.defined(), "nn::gelu_mlp_fused: c_fc and c_proj need biases");
   check_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
+  check_same_kind({&x, &w_fc, &b_fc, &w_proj, &b_proj, &residual}, "nn::gelu_mlp_fused");
   return GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
                           residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt);
 }
@@ -245,6 +259,7 @@ at::Tensor linear_residual_fused(const at::Tensor& x, const at::Tensor& weight, 
   check_linear(x, weight, bias, "nn::linear_residual", "the linear");
   BMT_CHECK(residual.defined(), "nn::linear_residual: needs a residual");
   check_residual(residual, x, weight.size(0), "nn::linear_residual");
+  check_same_kind({&x, &weight, &bias, &residual}, "nn::linear_residual_fused");
   return LinearResidualFn::apply(x, weight, bias, residual);
 }
 
@@ -260,6 +275,9 @@ at::Tensor gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tenso
 
 at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                            const at::Tensor& residual) {
+  BMT_CHECK(residual.defined() && weight.defined() && weight.dim() == 2,
+            "nn::linear_residual: needs a residual and a 2-D weight");
+  check_residual(residual, x, weight.size(0), "nn::linear_residual");  // (the same shape rule on every path)
   if (bias.defined() && fused_path_applies({&x, &weight, &bias, &residual}))
     return linear_residual_fused(x, weight, bias, residual);
   return residual + linear(x, weight, bias);

@@ -1,5 +1,6 @@
 #include "bmt/nn/fused_reductions.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 
 #include <atomic>
@@ -174,7 +175,9 @@ namespace {
 // What both dispatchers ask before taking the fused path: a CUDA input that needs gradients, with a weight and a
 // bias of its (supported) dtype, and the switch on.
 bool fused_path_applies(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  // (not under autocast: the forward would run in another dtype than the backward's saved operands)
   return weight.defined() && bias.defined() && x.is_cuda() && x.dim() >= 1 && fused_reductions_enabled() &&
+         !at::autocast::is_autocast_enabled(at::kCUDA) &&
          supported_dtype(x.scalar_type()) && weight.scalar_type() == x.scalar_type() &&
          bias.scalar_type() == x.scalar_type() && any_requires_grad({&x, &weight, &bias});
 }

@@ -149,6 +149,9 @@ bool gemm_epilogue_cuda(const GemmEpilogueArgs& g, void* workspace, size_t works
       int returned = 0;
       const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d,
                                                                desc.pref, 1, &result, &returned);
+      BMT_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED,
+                "cuBLASLt: cublasLtMatmulAlgoGetHeuristic failed: ", cublasLtGetStatusString(st), " (", g.rows, "x",
+                g.cols, "x", g.inner, ", ", gemm_epilogue_name(g.epilogue), ")");
       algo.found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS;
       if (algo.found) algo.algo = result.algo;
       cache.emplace(key, algo);

@@ -46,7 +46,7 @@ float gelu_tanh(float x);
 float gelu_tanh_grad(float x);  // d gelu_tanh / dx
 
 // CPU twin (the test reference): fp64 dot products, the epilogue in fp64 on the unrounded sum, each output rounded
-// once into dtype; the pre-activation is rounded to dtype when stored in aux, and DGELU reads aux as stored.
+// into dtype (through fp32: rarely one ulp from a single rounding); the pre-activation is rounded to dtype when stored in aux, and DGELU reads aux as stored.
 // kDGeluBGrad's bias is the fp64 sum of the unrounded outputs. fp32, bf16 and fp16.
 void gemm_epilogue_cpu(const GemmEpilogueArgs& args);
 
