@@ -79,6 +79,7 @@
 #include "bmt/distributed.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
+#include "bmt/nn/tp_overlap.h"
 #include "bmt/stream_sync.h"
 #include "bmt/init.h"
 #include "bmt/optim/adam.h"
@@ -166,6 +167,8 @@ int run(const Args& a) {
   const bmt::nn::GeluMlpBackward gelu_bwd = bmt::nn::gelu_mlp_backward();  // BMT_GELU_MLP_BACKWARD
   if (epilogues && gelu_bwd == bmt::nn::GeluMlpBackward::kDGeluBGrad) config += " dgelu-bgrad";
   if (epilogues && gelu_bwd == bmt::nn::GeluMlpBackward::kSeparate) config += " separate-gelu-backward";
+  const int64_t tp_overlap = a.framework == "bmt" && a.tp > 1 ? bmt::tp::overlap_chunks() : 0;  // BMT_TP_OVERLAP_CHUNKS
+  if (tp_overlap > 0) config += " tp-overlap" + std::to_string(tp_overlap);
   if (a.offload) {
     if (a.offload_gpu_blocks > 0) config += " offload-gpu-blocks" + std::to_string(a.offload_gpu_blocks);
     else config += a.offload_blocks_only ? " offload-blocks" : " offload";
@@ -285,7 +288,7 @@ int run(const Args& a) {
       << ",\"step_in_backward\":" << (a.step_in_backward ? "true" : "false")
       << ",\"cuda_graphs\":" << (a.cuda_graphs ? "true" : "false") << ",\"cuda_graphs_status\":" << json_str(graph_status)
       << ",\"fused_reductions\":" << (our_reductions ? "true" : "false")
-      << ",\"gemm_epilogues\":" << (epilogues ? "true" : "false")
+      << ",\"gemm_epilogues\":" << (epilogues ? "true" : "false") << ",\"tp_overlap_chunks\":" << tp_overlap
       << ",\"pp\":" << r.pp
       << ",\"micro_batches\":" << r.micro_batches << ",\"pp_schedule\":" << json_str(a.pp_schedule)
       << ",\"bubble\":" << json_num(r.pp > 1 ? bubble : NAN, 4)

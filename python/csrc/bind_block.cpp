@@ -10,6 +10,7 @@
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/tp_ops.h"
+#include "bmt/nn/tp_overlap.h"
 #include "py_support.h"
 
 namespace bmt::python {
@@ -140,6 +141,17 @@ void bind_block(py::module_& m) {
   tp.def("gather_rows", &tp::gather_rows, py::call_guard<py::gil_scoped_release>());
   tp.def("reduce_scatter_rows", &tp::reduce_scatter_rows, py::call_guard<py::gil_scoped_release>());
   tp.def("split_rows", &tp::split_rows, py::call_guard<py::gil_scoped_release>());
+  tp.def(
+      "gather_rows_linear",
+      [opt](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t chunks) {
+        return tp::gather_rows_linear(x, weight, opt(bias), chunks);
+      },
+      py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("chunks") = 2,
+      py::call_guard<py::gil_scoped_release>());
+  tp.def("linear_reduce_scatter_rows", &tp::linear_reduce_scatter_rows, py::arg("input"), py::arg("weight"),
+         py::arg("chunks") = 2, py::call_guard<py::gil_scoped_release>());
+  tp.def("overlap_chunks", &tp::overlap_chunks);
+  tp.def("set_overlap_chunks", &tp::set_overlap_chunks, py::arg("chunks"));
 }
 
 }  // namespace bmt::python

@@ -92,8 +92,12 @@ class ColumnParallelLinear(DistributedModule):
                      if bias else None)
 
     def forward(self, input):
-        x = _tp.gather_rows(input) if self.gather_input else _tp.copy_to_tp(input)
-        y = _nn.linear(x, self.weight, self.bias)
+        if self.gather_input and _tp_size() > 1 and _tp.overlap_chunks() > 0:
+            # the all-gather overlapped with the GEMM (BMT_TP_OVERLAP_CHUNKS; this layer's async_gather_chunks)
+            y = _tp.gather_rows_linear(input, self.weight, self.bias, max(1, int(self.async_gather_chunks or 1)))
+        else:
+            x = _tp.gather_rows(input) if self.gather_input else _tp.copy_to_tp(input)
+            y = _nn.linear(x, self.weight, self.bias)
         return _tp.gather_last_dim(y) if self.gather_output else y
 
     def extra_repr(self):
@@ -126,8 +130,12 @@ class RowParallelLinear(DistributedModule):
             raise ValueError(f"RowParallelLinear (rank {config['rank']}): input has {x.shape[-1]} features, expected "
                              f"in_features / tp_size = {self.in_features_per_partition}"
                              + ("" if self.split_input else " (pass split_input=True for inputs with all features)"))
-        y = F.linear(x, self.weight)
-        y = _tp.reduce_from_tp(y) if self.all_reduce_output else _tp.reduce_scatter_rows(y)
+        if not self.all_reduce_output and _tp_size() > 1 and _tp.overlap_chunks() > 0:
+            # GEMM and reduce-scatter in chunks, overlapped (BMT_TP_OVERLAP_CHUNKS; this layer's async_chunks)
+            y = _tp.linear_reduce_scatter_rows(x, self.weight, max(1, int(self.async_chunks or 1)))
+        else:
+            y = F.linear(x, self.weight)
+            y = _tp.reduce_from_tp(y) if self.all_reduce_output else _tp.reduce_scatter_rows(y)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self):

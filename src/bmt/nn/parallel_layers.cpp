@@ -7,6 +7,7 @@
 #include "bmt/init.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/tp_ops.h"
+#include "bmt/nn/tp_overlap.h"
 
 namespace bmt::nn {
 namespace {
@@ -40,7 +41,14 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, bool
                                                               "nn::ColumnParallelLinear bias", groups));
 }
 
-at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) { return forward_input(input_of(x)); }
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  if (gather_input && config().tp_size > 1 && tp::overlap_chunks() > 0) {  // the gather overlapped with the GEMM
+    at::Tensor y = tp::gather_rows_linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(),
+                                          tp::overlap_chunks());
+    return gather_output ? tp::gather_last_dim(y) : y;
+  }
+  return forward_input(input_of(x));
+}
 
 at::Tensor ColumnParallelLinearImpl::input_of(const at::Tensor& x) const {
   return gather_input ? tp::gather_rows(x) : tp::copy_to_tp(x);
@@ -79,8 +87,13 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   BMT_CHECK(input.dim() >= 1 && input.size(-1) == in_features_per_partition, "nn::RowParallelLinear (rank ",
             config().rank, "): input has ", input.size(-1), " features, expected in_features / tp_size = ",
             in_features_per_partition, split_input ? "" : " (pass split_input=true for inputs with all features)");
-  at::Tensor y = at::linear(input, gathered(weight));
-  y = all_reduce_output ? tp::reduce_from_tp(y) : tp::reduce_scatter_rows(y);
+  at::Tensor y;
+  if (!all_reduce_output && config().tp_size > 1 && tp::overlap_chunks() > 0)
+    y = tp::linear_reduce_scatter_rows(input, gathered(weight), tp::overlap_chunks());  // chunked, overlapped
+  else if (all_reduce_output)
+    y = tp::reduce_from_tp(at::linear(input, gathered(weight)));
+  else
+    y = tp::reduce_scatter_rows(at::linear(input, gathered(weight)));
   return bias.defined() ? y + gathered(bias) : y;
 }
 

@@ -76,7 +76,9 @@ def sequence_parallel_mlp():
     tp, me = _tp()
     if world() != tp:
         raise Skip("checked at world == tp")
-    for in_block in (False, True):
+    for in_block, chunks in ((False, 0), (True, 0), (False, 2), (True, 2)):
+        # chunks 2: the overlapped gather/GEMM and chunked GEMM/reduce-scatter (BMT_TP_OVERLAP_CHUNKS's switch)
+        bmt._C.tp.set_overlap_chunks(chunks)
         torch.manual_seed(5)
         model = bmt.Block(MLP()) if in_block else MLP()
         bmt.init_parameters(model)
@@ -89,7 +91,7 @@ def sequence_parallel_mlp():
         y_ref = ref(torch.cat(xs))
         loss = sum((y_ref[r * R:(r + 1) * R] * rank_input(r, R, OUT, seed=7)).sum() for r in range(tp))
         loss.backward()
-        what = "in a Block" if in_block else "plain"
+        what = ("in a Block" if in_block else "plain") + (f", overlap chunks {chunks}" if chunks else "")
         assert_close(f"{what}: output rows of rank {me}", y, y_ref[me * R:(me + 1) * R])
         assert_close(f"{what}: input grad", x.grad, xs[me].grad)
         params = dict(model.named_parameters())
@@ -102,6 +104,7 @@ def sequence_parallel_mlp():
         # The replicated bias sees only this rank's rows; torch's gradient sums all rows.
         assert_close(f"{what}: down.bias grad (all rows)", _piece_grad(params["down.bias"], "down.bias"),
                      ref.down.bias.grad)
+    bmt._C.tp.set_overlap_chunks(0)
 
 
 @case
