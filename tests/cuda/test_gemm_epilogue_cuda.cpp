@@ -11,11 +11,11 @@
 
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
 #include "bmt/nn/fused_linear.h"
+#include "bmt/nn/gemm_epilogue_args_internal.h"
 #include "bmt/tensor_adapter_internal.h"
-#include "gemm_epilogue_args.h"
 
 namespace k = bmt::core::kernels;
-using bmt::testing::gemm_args;
+constexpr auto gemm_args = &bmt::nn::gemm_epilogue_args;  // (the short name the cases use)
 
 namespace {
 

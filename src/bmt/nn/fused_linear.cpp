@@ -5,13 +5,14 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <string>
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
+#include "bmt/nn/env_switch_internal.h"
 #include "bmt/nn/fused_reductions.h"
+#include "bmt/nn/gemm_epilogue_args_internal.h"
 #include "bmt/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
@@ -25,25 +26,13 @@ namespace k = core::kernels;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-std::atomic<int> g_enabled{-1};  // -1: not yet read from the environment
+EnvSwitch g_enabled("BMT_GEMM_EPILOGUES");
 std::atomic<int> g_backward{-1};
 
 // One epilogue GEMM on row-major 2-D tensors: on CUDA cuBLASLt (false when it has no algorithm), on CPU the twin.
 bool run_gemm(k::GemmEpilogue epilogue, const at::Tensor& a, const at::Tensor& b, bool b_transposed,
               const at::Tensor& out, const at::Tensor& bias, const at::Tensor& aux, const at::Tensor& residual) {
-  k::GemmEpilogueArgs g;
-  g.rows = a.size(0);
-  g.inner = a.size(1);
-  g.cols = out.size(1);
-  g.a = a.data_ptr();
-  g.b = b.data_ptr();
-  g.b_transposed = b_transposed;
-  g.out = out.data_ptr();
-  g.dtype = to_core_dtype(a.scalar_type());
-  g.epilogue = epilogue;
-  g.bias = bias.defined() ? bias.data_ptr() : nullptr;
-  g.aux = aux.defined() ? aux.data_ptr() : nullptr;
-  g.residual = residual.defined() ? residual.data_ptr() : nullptr;
+  const k::GemmEpilogueArgs g = gemm_epilogue_args(epilogue, a, b, b_transposed, out, bias, aux, residual);
   if (!a.is_cuda()) {
     k::gemm_epilogue_cpu(g);
     return true;
@@ -199,17 +188,9 @@ bool fused_path_applies(std::initializer_list<const at::Tensor*> ts) {
 
 }  // namespace
 
-bool gemm_epilogues_enabled() {
-  int v = g_enabled.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("BMT_GEMM_EPILOGUES");
-    v = (e && std::strcmp(e, "0") == 0) ? 0 : 1;
-    g_enabled.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
+bool gemm_epilogues_enabled() { return g_enabled.enabled(); }
 
-void set_gemm_epilogues_enabled(bool enabled) { g_enabled.store(enabled ? 1 : 0, std::memory_order_relaxed); }
+void set_gemm_epilogues_enabled(bool enabled) { g_enabled.set(enabled); }
 
 GeluMlpBackward gelu_mlp_backward() {
   int v = g_backward.load(std::memory_order_relaxed);

@@ -3,12 +3,10 @@
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 
-#include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/column_reduce_internal.h"
+#include "bmt/nn/env_switch_internal.h"
 #include "bmt/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
@@ -22,7 +20,7 @@ namespace k = core::kernels;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-std::atomic<int> g_enabled{-1};  // -1: not yet read from the environment
+EnvSwitch g_enabled("BMT_FUSED_REDUCTIONS");
 
 bool supported_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
@@ -121,17 +119,9 @@ struct LayerNormReducedParamGradsFn : torch::autograd::Function<LayerNormReduced
 
 }  // namespace
 
-bool fused_reductions_enabled() {
-  int v = g_enabled.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("BMT_FUSED_REDUCTIONS");
-    v = (e && std::strcmp(e, "0") == 0) ? 0 : 1;
-    g_enabled.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
+bool fused_reductions_enabled() { return g_enabled.enabled(); }
 
-void set_fused_reductions_enabled(bool enabled) { g_enabled.store(enabled ? 1 : 0, std::memory_order_relaxed); }
+void set_fused_reductions_enabled(bool enabled) { g_enabled.set(enabled); }
 
 at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype) {
   BMT_CHECK(matrix.dim() == 2, "nn::column_sum: expected a 2-D tensor, got ", matrix.dim(), " dimensions");

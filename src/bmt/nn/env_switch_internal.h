@@ -1,0 +1,31 @@
+// A process-wide on/off switch whose default comes from an environment variable (on unless VAR=0), read on first
+// use and settable from code afterwards (tests, benchmarks): the kernel switches of nn/fused_reductions and
+// nn/fused_linear.
+#pragma once
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace bmt::nn {
+
+class EnvSwitch {
+ public:
+  explicit constexpr EnvSwitch(const char* variable) : variable_(variable) {}
+  bool enabled() {
+    int v = state_.load(std::memory_order_relaxed);
+    if (v < 0) {
+      const char* e = std::getenv(variable_);
+      v = (e && std::strcmp(e, "0") == 0) ? 0 : 1;
+      state_.store(v, std::memory_order_relaxed);
+    }
+    return v == 1;
+  }
+  void set(bool on) { state_.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+ private:
+  const char* variable_;
+  std::atomic<int> state_{-1};  // -1: not yet read from the environment
+};
+
+}  // namespace bmt::nn
