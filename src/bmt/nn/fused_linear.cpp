@@ -99,8 +99,8 @@ struct GeluMlpFn : torch::autograd::Function<GeluMlpFn> {
     if (ctx->needs_input_grad(4)) db_proj = column_sum(dy2, w_proj.scalar_type());
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(5)) dres = grads[0];
     if (ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2)) {
-      // d pre = (dy w_proj) * gelu'(pre), and its column sums (c_fc's bias gradient), in one GEMM
-      // (or the GEMM with GELU's gradient and our column sums, or three separate ops: gelu_mlp_backward())
+      // d pre = (dy w_proj) * gelu'(pre) and its column sums (c_fc's bias gradient), as gelu_mlp_backward() says:
+      // the GEMM with GELU's gradient then our column sums (default), both in the GEMM, or three separate ops
       at::Tensor dpre = at::empty_like(pre), db;
       const GeluMlpBackward mode = gelu_mlp_backward();
       bool done = false;
