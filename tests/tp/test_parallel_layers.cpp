@@ -20,12 +20,7 @@ using bmt::testing::expect_close;
 using bmt::testing::logical_grad;
 using bmt::testing::run_ranks;
 
-bmt::InitOptions tp_init(int tp, bool sequence_parallel = true) {
-  bmt::InitOptions o = bmt::testing::test_init();
-  o.tp_size = tp;
-  o.sequence_parallel = sequence_parallel;
-  return o;
-}
+using bmt::testing::tp_init;
 
 at::Tensor rows_chunk(const at::Tensor& x) {
   const auto& c = bmt::config();

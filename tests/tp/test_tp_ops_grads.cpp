@@ -18,11 +18,7 @@ namespace {
 
 using bmt::testing::run_ranks;
 
-bmt::InitOptions tp_init(int tp) {
-  bmt::InitOptions o = bmt::testing::test_init();
-  o.tp_size = tp;
-  return o;
-}
+using bmt::testing::tp_init;
 
 // 1 + r + k % 5 over a tensor of `shape` (k = flat index).
 at::Tensor input_of(int r, std::vector<int64_t> shape) {

@@ -16,11 +16,7 @@ namespace {
 using bmt::testing::expect_close;
 using bmt::testing::run_ranks;
 
-bmt::InitOptions tp_init(int tp) {
-  bmt::InitOptions o = bmt::testing::test_init();
-  o.tp_size = tp;
-  return o;
-}
+using bmt::testing::tp_init;
 
 at::Tensor seeded(uint64_t seed, std::vector<int64_t> shape) {
   at::manual_seed(seed);

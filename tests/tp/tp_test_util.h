@@ -9,8 +9,17 @@
 #include "bmt/init.h"
 #include "bmt/param_registry.h"
 #include "bmt/parameter.h"
+#include "run_ranks.h"
 
 namespace bmt::testing {
+
+// The test initialisation with a tp group of `tp` ranks and the given activation layout.
+inline InitOptions tp_init(int tp, bool sequence_parallel = true) {
+  InitOptions o = test_init();
+  o.tp_size = tp;
+  o.sequence_parallel = sequence_parallel;
+  return o;
+}
 
 // The gradient of this rank's tp piece of `param` (its full_shape), assembled from every ZeRO shard's main_grad.
 inline at::Tensor piece_grad(const at::Tensor& param) {

@@ -5,6 +5,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/column_reduce_internal.h"
+#include "bmt/core/kernels/float_elements_cpu_internal.h"
 
 namespace bmt::core::kernels {
 namespace {
@@ -14,22 +15,11 @@ constexpr int64_t kTargetBlocks = 512;  // a fixed number, not the device's SM c
 constexpr int64_t kRowLanes = 8;
 
 double load_as_double(const void* p, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::kFloat32: return static_cast<const float*>(p)[i];
-    case DType::kBFloat16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::kFloat16: return fp16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: BMT_ERROR("column reductions: dtype ", dtype_name(dtype), " is not fp32, bf16 or fp16");
-  }
+  return load_float_element(p, dtype, i, "column reductions");
 }
 
 void store_from_double(void* p, DType dtype, int64_t i, double v) {
-  const float f = static_cast<float>(v);
-  switch (dtype) {
-    case DType::kFloat32: static_cast<float*>(p)[i] = f; break;
-    case DType::kBFloat16: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(f); break;
-    case DType::kFloat16: static_cast<uint16_t*>(p)[i] = float_to_fp16_bits(f); break;
-    default: BMT_ERROR("column reductions: output dtype ", dtype_name(dtype), " is not fp32, bf16 or fp16");
-  }
+  store_float_element(p, dtype, i, v, "column reductions");
 }
 
 void check_shape(int64_t rows, int64_t cols, const char* op) {

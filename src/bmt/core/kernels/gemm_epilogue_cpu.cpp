@@ -4,29 +4,15 @@
 #include <vector>
 
 #include "bmt/core/error.h"
+#include "bmt/core/kernels/float_elements_cpu_internal.h"
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
 
 namespace bmt::core::kernels {
 namespace {
 
-double load(const void* p, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::kFloat32: return static_cast<const float*>(p)[i];
-    case DType::kBFloat16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::kFloat16: return fp16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: BMT_ERROR("gemm_epilogue: dtype ", dtype_name(dtype), " is not fp32, bf16 or fp16");
-  }
-}
+double load(const void* p, DType dtype, int64_t i) { return load_float_element(p, dtype, i, "gemm_epilogue"); }
 
-void store(void* p, DType dtype, int64_t i, double v) {
-  const float f = static_cast<float>(v);
-  switch (dtype) {
-    case DType::kFloat32: static_cast<float*>(p)[i] = f; break;
-    case DType::kBFloat16: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(f); break;
-    case DType::kFloat16: static_cast<uint16_t*>(p)[i] = float_to_fp16_bits(f); break;
-    default: BMT_ERROR("gemm_epilogue: dtype ", dtype_name(dtype), " is not fp32, bf16 or fp16");
-  }
-}
+void store(void* p, DType dtype, int64_t i, double v) { store_float_element(p, dtype, i, v, "gemm_epilogue"); }
 
 constexpr double kSqrt2OverPi = 0.7978845608028654, kCubic = 0.044715;
 
