@@ -87,6 +87,7 @@
 #include "bmt/optim/optim_manager.h"
 #include "bmt/parameter.h"
 #include "bmt/pipeline.h"
+#include "bmt/recompute_keep.h"
 #include "models/language_model.h"
 #include "models/presets.h"
 #include "plain_gpt.h"
@@ -167,6 +168,11 @@ int run(const Args& a) {
   const bmt::nn::GeluMlpBackward gelu_bwd = bmt::nn::gelu_mlp_backward();  // BMT_GELU_MLP_BACKWARD
   if (epilogues && gelu_bwd == bmt::nn::GeluMlpBackward::kDGeluBGrad) config += " dgelu-bgrad";
   if (epilogues && gelu_bwd == bmt::nn::GeluMlpBackward::kSeparate) config += " separate-gelu-backward";
+  // BMT_KEEP_FOR_RECOMPUTE (checkpointed runs), BMT_GRADIENT_HANDOVER (one-rank --step-in-backward)
+  const bool keep_attention = a.framework == "bmt" && a.checkpointing && bmt::detail::keep_for_recompute_enabled();
+  if (a.framework == "bmt" && a.checkpointing && !keep_attention) config += " recompute-all";
+  const bool handover = a.framework == "bmt" && a.step_in_backward && bmt::detail::gradient_handover_enabled();
+  if (a.framework == "bmt" && a.step_in_backward && !handover) config += " no-handover";
   const int64_t tp_overlap = a.framework == "bmt" && a.tp > 1 ? bmt::tp::overlap_chunks() : 0;  // BMT_TP_OVERLAP_CHUNKS
   if (tp_overlap > 0) config += " tp-overlap" + std::to_string(tp_overlap);
   if (a.offload) {
@@ -289,6 +295,8 @@ int run(const Args& a) {
       << ",\"cuda_graphs\":" << (a.cuda_graphs ? "true" : "false") << ",\"cuda_graphs_status\":" << json_str(graph_status)
       << ",\"fused_reductions\":" << (our_reductions ? "true" : "false")
       << ",\"gemm_epilogues\":" << (epilogues ? "true" : "false") << ",\"tp_overlap_chunks\":" << tp_overlap
+      << ",\"keep_for_recompute\":" << (keep_attention ? "true" : "false")
+      << ",\"gradient_handover\":" << (handover ? "true" : "false")
       << ",\"pp\":" << r.pp
       << ",\"micro_batches\":" << r.micro_batches << ",\"pp_schedule\":" << json_str(a.pp_schedule)
       << ",\"bubble\":" << json_num(r.pp > 1 ? bubble : NAN, 4)

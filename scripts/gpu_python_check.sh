@@ -21,7 +21,8 @@ fi
 ninja -C "$BUILD" -j"$(nproc)" bmt bmt_python bmt-bench-train ${BMT_GPU_TARGETS:-} > "$OUT/build.log" 2>&1 \
   || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -60; exit 1; }
 echo "[gpu] build: $(( $(date +%s) - start )) s"
-export PYTHONPATH="$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
+case $BUILD in /*) build_abs=$BUILD ;; *) build_abs=$PWD/$BUILD ;; esac
+export PYTHONPATH="$build_abs/python${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import bmtrain, torch; print('[gpu] bmtrain', bmtrain.__version__, '| torch', torch.__version__, '|', torch.cuda.device_count(), 'GPUs')" || exit 1
 rc=0
 TESTS=${BMT_PY_TESTS:-tests/python}

@@ -3,6 +3,7 @@
 #include "bmt/block.h"
 #include "bmt/core/error.h"
 #include "bmt/init.h"
+#include "bmt/nn/attention.h"
 #include "models/attention.h"
 #include "models/rope.h"
 
@@ -43,7 +44,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const at::Tensor& sh
   at::Tensor q = apply_rope(split_heads(rows_to_batch(wq.forward_input(in), shape), heads), rope);
   at::Tensor k = apply_rope(split_heads(rows_to_batch(wk.forward_input(in), shape), kv_heads), rope);
   at::Tensor v = split_heads(rows_to_batch(wv.forward_input(in), shape), kv_heads);
-  return wo.forward(batch_to_rows(merge_heads(causal_attention(q, k, v)), shape));
+  return wo.forward(batch_to_rows(merge_heads(bmt::nn::causal_attention(q, k, v)), shape));
 }
 
 LlamaFeedForwardImpl::LlamaFeedForwardImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn::TpScope& tp) {

@@ -1,5 +1,5 @@
 // bmtrain._C: Blocks and block lists whose forward function is Python code, the fused cross-entropy, the layer
-// ops of the C++ nn (linear, layer_norm, gelu_mlp, linear_residual) and the tensor-parallel ops.
+// ops of the C++ nn (linear, layer_norm, gelu_mlp, linear_residual, causal_attention) and the tensor-parallel ops.
 #include <pybind11/stl.h>
 
 #include <optional>
@@ -7,6 +7,7 @@
 #include "bmt/block.h"
 #include "bmt/block_list.h"
 #include "bmt/loss/fused_cross_entropy.h"
+#include "bmt/nn/attention.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/tp_ops.h"
@@ -106,7 +107,7 @@ void bind_block(py::module_& m) {
 
   // The C++ layers' own ops, so Python's bmt.nn layers get the same kernels (CUDA: our bias / LayerNorm gradient
   // reductions, the GEMM-epilogue MLP; CPU: torch's ops).
-  py::module_ nn = m.def_submodule("nn", "bmtrain's layer ops (nn/fused_reductions, nn/fused_linear)");
+  py::module_ nn = m.def_submodule("nn", "bmtrain's layer ops (nn/fused_reductions, nn/fused_linear, nn/attention)");
   const auto opt = [](const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); };
   nn.def(
       "linear",
@@ -132,6 +133,8 @@ void bind_block(py::module_& m) {
       py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>());
   nn.def("linear_residual", &bmt::nn::linear_residual, py::arg("input"), py::arg("weight"), py::arg("bias"),
          py::arg("residual"), py::call_guard<py::gil_scoped_release>());
+  nn.def("causal_attention", &bmt::nn::causal_attention, py::arg("query"), py::arg("key"), py::arg("value"),
+         py::call_guard<py::gil_scoped_release>());
 
   py::module_ tp = m.def_submodule("tp", "tensor-parallel autograd ops over config()['tp_comm']");
   tp.def("copy_to_tp", &tp::copy_to_tp, py::call_guard<py::gil_scoped_release>());

@@ -25,6 +25,7 @@
 #include "bmt/param_registry_internal.h"
 #include "bmt/parameter.h"
 #include "bmt/pending_update.h"
+#include "bmt/recompute_keep.h"
 #include "bmt/stream_sync.h"
 #include "bmt/tensor_adapter_internal.h"
 
@@ -98,6 +99,7 @@ struct Block::CallState : torch::CustomClassHolder {
   RngState rng;
   CallContext context;
   inspect::detail::RecordSpan inspect_span;  // checkpointing: what the first run recorded (the recompute replays it)
+  detail::KeptValues kept;                   // checkpointing: what ops kept for the recompute (recompute_keep.h)
 };
 
 namespace {
@@ -430,6 +432,8 @@ std::vector<at::Tensor> Block::run_forward(CallState& state, const std::vector<a
   try {
     if (options_.use_checkpoint) {
       const auto mark = inspect::detail::mark();
+      const bool keep = options_.keep_for_recompute && detail::keep_for_recompute_enabled();
+      detail::RecomputeScope phase(keep ? RecomputePhase::kFirstRun : RecomputePhase::kNone, keep ? &state.kept : nullptr);
       out = call_forward_fn(inputs, state.context);  // grad mode is off inside an autograd Function's forward
       state.inspect_span = inspect::detail::span_since(mark);
     } else {
@@ -467,8 +471,10 @@ std::vector<at::Tensor> Block::run_backward(CallState& state, const std::vector<
     }
     {
       inspect::detail::ReplayScope replay(state.inspect_span);  // record_tensor: hooks only, no second record
+      detail::RecomputeScope phase(RecomputePhase::kRecompute, &state.kept);
       outputs = call_forward_fn(graph_inputs, state.context);
     }
+    state.kept.values.clear();  // what was not taken (the graph holds what was)
     restore_rng(now);
   } else {
     graph_inputs = state.graph_inputs;

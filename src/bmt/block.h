@@ -38,6 +38,9 @@ namespace bmt {
 struct BlockOptions {
   int zero_level = 0;         // 2 or 3; 0 = config().zero_level
   bool use_checkpoint = true;  // recompute the forward in backward instead of keeping activations
+  // With use_checkpoint: ops that can keep what the first run computed for the recompute do (recompute_keep.h:
+  // bmt::nn::causal_attention's output, one activation per layer, spares the attention's forward).
+  bool keep_for_recompute = true;
   at::ScalarType reduce_dtype = at::kFloat;  // dtype of gradient accumulation and reduce-scatter
   core::ReduceOp reduce_op = core::ReduceOp::kSum;  // kSum (BMTrain: divide the loss by grad_scale) or kAvg
 };
@@ -115,6 +118,10 @@ class Block : public ParamOwner, public std::enable_shared_from_this<Block> {
   // The group's gradient shard, allocated (zeroed) and pointed to by its parameters' main gradients if released.
   at::Tensor& grad_shard_of(size_t group_index);
   at::Tensor packed_gradient(const Group& g, size_t group_index, const std::vector<at::Tensor>& param_grads) const;
+  // One rank, gradients taken over by a hook: the parameters' main gradients become their own gradients.
+  void hand_over_gradients(size_t group_index, const std::vector<at::Tensor>& param_grads);
+  // Handed-over gradients that must be accumulated into: copied into a (new) gradient shard.
+  void adopt_handed_over_gradients(size_t group_index);
 
   std::shared_ptr<torch::nn::Module> module_;
   BlockForward forward_fn_;
@@ -143,8 +150,19 @@ bool grad_sync_enabled();
 // (wait_for_gradient_reduction()). Used to start an offloaded optimizer's update of that Block while the rest of
 // the backward runs (OptimManager::overlap_offload_with_backward). Returns an id for remove_grad_ready_hook.
 using GradReadyHook = std::function<void(Block&)>;
-int add_grad_ready_hook(GradReadyHook hook);
+// Asked before a Block reduces its gradients: true when the hook applies and frees them as soon as they are reduced
+// (OptimManager::overlap_step_with_backward). On one rank the Block then hands the optimizer the parameters' own
+// gradients (bf16, say) instead of copying them into fp32 shards first: a pass over every gradient spared, the same
+// numbers (the optimizer widens them as the copy would). Should the gradients outlive that (a second backward before
+// the release), the next reduction moves them into a shard first.
+using GradTakeoverQuery = std::function<bool(const Block&)>;
+int add_grad_ready_hook(GradReadyHook hook, GradTakeoverQuery takes_over = nullptr);
 void remove_grad_ready_hook(int id);
+namespace detail {
+// The hand-over above: on unless BMT_GRADIENT_HANDOVER=0 (benchmarks compare), settable from code.
+bool gradient_handover_enabled();
+void set_gradient_handover_enabled(bool on);
+}  // namespace detail
 
 // Wraps a module with `std::vector<at::Tensor> forward(const std::vector<at::Tensor>&)` or
 // `at::Tensor forward(at::Tensor)` in a Block.

@@ -10,7 +10,9 @@
 #include "bmt/block_internal.h"
 #include "bmt/core/kernels/accumulate_internal.h"
 #include "bmt/memory_stats.h"
+#include "bmt/nn/env_switch_internal.h"
 #include "bmt/param_registry.h"
+#include "bmt/param_registry_internal.h"
 #include "bmt/parameter.h"
 #include "bmt/stream_sync.h"
 #include "bmt/tensor_adapter_internal.h"
@@ -19,11 +21,16 @@ namespace bmt {
 namespace {
 
 int g_grad_sync_disabled = 0;
-std::map<int, GradReadyHook>& grad_ready_hooks() {
-  static std::map<int, GradReadyHook> hooks;
+struct RegisteredHook {
+  GradReadyHook on_ready;
+  GradTakeoverQuery takes_over;
+};
+std::map<int, RegisteredHook>& grad_ready_hooks() {
+  static std::map<int, RegisteredHook> hooks;
   return hooks;
 }
 int g_next_hook_id = 0;
+nn::EnvSwitch g_handover_switch("BMT_GRADIENT_HANDOVER");
 
 // dst += src (same numel). An fp32 CUDA destination with a contiguous half or fp32 source takes the vectorised
 // kernel (torch's mixed-dtype add is an unvectorised casting loop, ~2x slower); everything else at::add_.
@@ -43,7 +50,41 @@ void accumulate_into(const at::Tensor& dst, const at::Tensor& src) {
 }  // namespace
 
 void run_grad_ready_hooks(Block& block) {
-  for (auto& kv : grad_ready_hooks()) kv.second(block);
+  for (auto& kv : grad_ready_hooks()) kv.second.on_ready(block);
+}
+
+bool gradients_taken_over(const Block& block) {
+  if (!g_handover_switch.enabled()) return false;
+  for (auto& kv : grad_ready_hooks())
+    if (kv.second.takes_over && kv.second.takes_over(block)) return true;
+  return false;
+}
+
+void Block::hand_over_gradients(size_t gi, const std::vector<at::Tensor>& param_grads) {
+  Group& g = *groups_[gi];
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = *slots_[i];
+    if (s.group != gi) continue;
+    at::Tensor grad;
+    if (param_grads[i].defined()) grad = param_grads[i].reshape({-1});
+    else if (s.param.requires_grad()) grad = at::zeros({s.numel}, s.param.options().requires_grad(false));
+    set_main_grad(s.param, grad);  // the optimizer reads any float dtype (and takes a contiguous copy if need be)
+  }
+  g.grad_handed_over = true;
+  g.grad_lazy = false;
+}
+
+void Block::adopt_handed_over_gradients(size_t gi) {
+  Group& g = *groups_[gi];
+  std::vector<at::Tensor> held(slots_.size());
+  for (size_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i]->group == gi) held[i] = peek_main_grad(slots_[i]->param);
+  g.grad_handed_over = false;
+  at::Tensor& shard = grad_shard_of(gi);  // points the main gradients at the shard again
+  shard.zero_();
+  for (size_t i = 0; i < slots_.size(); ++i)
+    if (held[i].defined()) shard.narrow(0, slots_[i]->offset, slots_[i]->numel).copy_(held[i].reshape({-1}));
+  g.grad_fresh = false;
 }
 
 at::Tensor Block::packed_gradient(const Group& g, size_t gi, const std::vector<at::Tensor>& param_grads) const {
@@ -86,6 +127,12 @@ void Block::release_gradients() {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = *groups_[gi];
     g.grad_lazy = false;  // released before its first use: reads see no gradient, as after any release
+    if (g.grad_handed_over) {
+      for (auto& s : slots_)
+        if (s->group == gi) set_main_grad(s->param, at::Tensor());
+      g.grad_handed_over = false;
+      continue;
+    }
     if (g.grad_released || !g.grad_shard.defined()) continue;
     BMT_CHECK(!g.deferred_grad_full.defined(), "Block::release_gradients (", module_->name(), "): gradients of "
               "micro-batches accumulated under GradSyncGuard are not reduced yet; release them after the reduction");
@@ -105,8 +152,19 @@ void Block::release_gradients() {
 void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
   auto calc = calc_stream();
   auto comm_s = load_stream();
+  std::optional<bool> taken_over;  // asked once per reduction, only where it matters
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = *groups_[gi];
+    if (g.grad_handed_over) adopt_handed_over_gradients(gi);  // still held: accumulate into them
+    const bool one_rank_direct = g.comm->size() == 1 && grad_sync_enabled() && g.grad_released &&
+                                 !g.deferred_grad_full.defined() && g.tp_grad_reduce == TpGradReduce::kNone;
+    if (one_rank_direct) {
+      if (!taken_over) taken_over = gradients_taken_over(*this);
+      if (*taken_over) {
+        hand_over_gradients(gi, param_grads);
+        continue;
+      }
+    }
     bool any = false;
     for (size_t i = 0; i < slots_.size(); ++i) any = any || (slots_[i]->group == gi && param_grads[i].defined());
     // A released shard comes back even without gradients (zeros), as a kept one would hold them: the optimizer
@@ -163,17 +221,18 @@ void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
       guard.emplace(*comm_s);
       flat.record_stream(*comm_s);
     }
-    at::Tensor mine = at::empty({g.partition_numel}, flat.options());
+    // A fresh shard takes the reduction directly (no copy); the comm stream waited for the compute stream, which
+    // allocated it, and its readers wait for the reduction.
+    at::Tensor mine = fresh ? g.grad_shard : at::empty({g.partition_numel}, flat.options());
     g.comm->reduce_scatter(flat.data_ptr(), mine.data_ptr(), g.partition_numel, to_core_dtype(rdt), options_.reduce_op,
                            comm_s ? comm_s->native_handle() : nullptr);
     reduce_over_tp(mine, g.tp_grad_reduce);  // on the comm stream (current under the guard)
-    if (fresh) g.grad_shard.copy_(mine);
-    else g.grad_shard.add_(mine);
+    if (!fresh) g.grad_shard.add_(mine);
   }
 }
 
-int add_grad_ready_hook(GradReadyHook hook) {
-  grad_ready_hooks()[g_next_hook_id] = std::move(hook);
+int add_grad_ready_hook(GradReadyHook hook, GradTakeoverQuery takes_over) {
+  grad_ready_hooks()[g_next_hook_id] = RegisteredHook{std::move(hook), std::move(takes_over)};
   return g_next_hook_id++;
 }
 void remove_grad_ready_hook(int id) { grad_ready_hooks().erase(id); }
@@ -181,5 +240,10 @@ void remove_grad_ready_hook(int id) { grad_ready_hooks().erase(id); }
 GradSyncGuard::GradSyncGuard() { ++g_grad_sync_disabled; }
 GradSyncGuard::~GradSyncGuard() { --g_grad_sync_disabled; }
 bool grad_sync_enabled() { return g_grad_sync_disabled == 0; }
+
+namespace detail {
+bool gradient_handover_enabled() { return g_handover_switch.enabled(); }
+void set_gradient_handover_enabled(bool on) { g_handover_switch.set(on); }
+}  // namespace detail
 
 }  // namespace bmt

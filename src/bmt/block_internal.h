@@ -30,6 +30,7 @@ struct Block::Group {
   bool grad_lazy = true;          // not allocated since construction: reading a main gradient allocates zeros
                                   // (released gradients read as undefined instead)
   bool grad_fresh = false;        // grad_shard reallocated but not written yet (its reduction overwrites it)
+  bool grad_handed_over = false;  // no grad_shard: main gradients are the parameters' own (hand_over_gradients)
   at::Tensor full;                // gathered buffer (only between gather and release)
   at::Tensor full_store;          // the one storage `full` uses (several ranks); its bytes are freed on release
   at::Tensor deferred_grad_full;  // accumulation while GradSyncGuard defers reduction
@@ -52,5 +53,7 @@ struct Block::Slot {
 
 // Calls every hook of add_grad_ready_hook with `block` (its gradients are reduced).
 void run_grad_ready_hooks(Block& block);
+// Whether a hook takes `block`'s gradients over once reduced (GradTakeoverQuery).
+bool gradients_taken_over(const Block& block);
 
 }  // namespace bmt

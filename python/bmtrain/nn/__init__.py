@@ -17,6 +17,15 @@ _tp = _C.tp
 _nn = _C.nn
 
 
+def causal_attention(query, key, value):
+    """softmax(q kᵀ / √hd + causal mask) v for q (B, H, T, hd) and k, v (B, Hkv, T, hd), H % Hkv == 0 (grouped-query
+    heads): the engine's nn::causal_attention, the fused kernel torch's scaled_dot_product_attention would pick
+    (cuDNN's or flash), as one autograd function. Inside a checkpointed Block the first run keeps its output and
+    log-sum-exp and the backward's recompute skips the attention's forward (one activation per Block; off with
+    BMT_KEEP_FOR_RECOMPUTE=0). Not in BMTrain (whose users call torch's attention, which this equals)."""
+    return _nn.causal_attention(query, key, value)
+
+
 def _dtype(dtype):
     return dtype if dtype is not None else torch.get_default_dtype()
 

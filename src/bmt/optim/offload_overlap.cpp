@@ -57,9 +57,32 @@ OffloadOverlapState::~OffloadOverlapState() { remove_hook(); }
 void OffloadOverlapState::install() {
   // The hook holds the state weakly: removing the handle (and the manager forgetting it) frees everything.
   std::weak_ptr<OffloadOverlapState> weak = shared_from_this();
-  hook_id_ = add_grad_ready_hook([weak](Block& block) {
-    if (auto self = weak.lock()) self->on_block_reduced(block);
-  });
+  hook_id_ = add_grad_ready_hook(
+      [weak](Block& block) {
+        if (auto self = weak.lock()) self->on_block_reduced(block);
+      },
+      [weak](const Block& block) {
+        auto self = weak.lock();
+        return self != nullptr && self->takes_over(block);
+      });
+}
+
+bool OffloadOverlapState::takes_over(const Block& block) const {
+  if (!release_gradients_ || device_optimizers_.empty()) return false;
+  size_t trainable = 0, on_device = 0;
+  for (const at::Tensor& p : block.module()->parameters()) {
+    if (!p.requires_grad()) continue;
+    ++trainable;
+    const void* key = p.unsafeGetTensorImpl();
+    for (const auto& owned : owned_)
+      if (owned.count(key)) return false;  // an offloaded update copies the shard to the host: keep it fp32
+    for (const auto& owned : device_owned_)
+      if (owned.count(key)) {
+        ++on_device;
+        break;
+      }
+  }
+  return trainable > 0 && on_device == trainable;
 }
 
 void OffloadOverlapState::remove_hook() {

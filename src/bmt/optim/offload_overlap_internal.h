@@ -36,6 +36,9 @@ class OffloadOverlapState : public std::enable_shared_from_this<OffloadOverlapSt
   bool installed() const { return hook_id_ >= 0; }
   // The grad-ready hook: checks the Block's gradients, then starts its update if they are finite.
   void on_block_reduced(Block& block);
+  // The hook's GradTakeoverQuery: this hook updates every trainable parameter of `block` on the device as soon as
+  // its gradients are reduced, then frees them (release_gradients).
+  bool takes_over(const Block& block) const;
   // Forgets the iteration's records (OptimManager::step and zero_grad).
   void end_iteration();
   // Whether a Block updated early by a device optimizer in this iteration had an inf/NaN gradient on this rank

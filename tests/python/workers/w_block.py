@@ -66,6 +66,34 @@ def block_tensor():
                 raise AssertionError(f"{what}: Block returned {type(out).__name__}, the module returns a tensor")
 
 
+def _attention_layer(kit, attend):
+    """x + causal self-attention of x (3 heads of width 2, no output projection) with `attend` as the kernel."""
+    class AttnLayer(kit.Module):
+        def __init__(self, seed):
+            super().__init__()
+            self.wqkv = kit.param(randn(3 * D, D, seed=seed, scale=D ** -0.5))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = (y.view(b, t, 3, D // 3).transpose(1, 2) for y in F.linear(x, self.wqkv).chunk(3, -1))
+            return x + attend(q, k, v).transpose(1, 2).reshape(b, t, D)
+    return AttnLayer
+
+
+@case
+def block_causal_attention():
+    """bmt.nn.causal_attention in Blocks (checkpointed: the first run keeps the attention's output for the
+    recompute) against torch's scaled_dot_product_attention in the twin."""
+    TorchAttn = _attention_layer(TORCH, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    BmtAttn = _attention_layer(BMT, bmt.nn.causal_attention)
+    for use_checkpoint in (True, False):
+        check_twins(bmt.Block(BmtAttn(5), use_checkpoint=use_checkpoint), TorchAttn(5), lambda m, x: m(x),
+                    [(B, 5, D)], what=f"attention checkpoint={use_checkpoint}")
+    layers = BMT.blocklist([BmtAttn(5 + i) for i in range(2)])
+    ref = TORCH.blocklist([TorchAttn(5 + i) for i in range(2)])
+    check_twins(layers, ref, lambda m, x: m(x), [(B, 5, D)], what="attention block list")
+
+
 @case
 def block_shard_attributes():
     """BMTrain's _start_partition/_end_partition/_original_shape describe the slice a parameter holds, also after
