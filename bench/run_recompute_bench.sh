@@ -25,6 +25,8 @@ run handover_only_1p3b BMT_KEEP_FOR_RECOMPUTE=0,BMT_GRADIENT_HANDOVER=1 "$BIN" -
 run old_1p3b_b "$OLD" "$BIN" --framework bmt "${S13[@]}"
 run new_1p3b_b "$NEW" "$BIN" --framework bmt "${S13[@]}"
 run new_1p3b_profile "$NEW" "$BIN" --framework bmt "${S13[@]}" --profile
+# The plain 1.3B step (no checkpointing) also goes through nn::causal_attention now: issue 17's 64K row.
+run plain_1p3b - "$BIN" --framework bmt --preset gpt-1.3b --seq 2048 --batch 8 --warmup 2 --steps 5
 run fsdp2_1p3b_ckpt - python3 bench/fsdp2_gpt.py --preset gpt-1.3b --seq 2048 --batch 8 --warmup 2 --steps 5 --checkpointing
 run old_6p7b "$OLD" "$BIN" --framework bmt "${S67[@]}"
 run new_6p7b "$NEW" "$BIN" --framework bmt "${S67[@]}"
