@@ -36,7 +36,8 @@ at::Tensor GptAttentionImpl::forward(const at::Tensor& x, const at::Tensor& shap
   // Rows in; Q, K and V of the heads this rank computes (all of them unless c_attn is split) for every row.
   auto qkv = rows_to_batch(c_attn.forward(x), shape).chunk(3, -1);
   const int64_t heads = qkv[0].size(-1) / head_dim;
-  at::Tensor y = bmt::nn::causal_attention(split_heads(qkv[0], heads), split_heads(qkv[1], heads), split_heads(qkv[2], heads));
+  at::Tensor y =
+      bmt::nn::causal_attention(split_heads(qkv[0], heads), split_heads(qkv[1], heads), split_heads(qkv[2], heads));
   const at::Tensor rows = batch_to_rows(merge_heads(y), shape);
   if (bmt::nn::Linear proj = c_proj.dense())
     return bmt::nn::linear_residual(rows, bmt::gathered(proj->weight), bmt::gathered(proj->bias), residual);
