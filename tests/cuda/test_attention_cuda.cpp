@@ -6,30 +6,16 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
-#include <ATen/record_function.h>
 #include <torch/autograd.h>
 
-#include <atomic>
 #include <cstdio>
-#include <cmath>
-#include <limits>
 #include <string>
 
+#include "attention_test_util.h"
 #include "bmt/nn/attention.h"
 #include "bmt/recompute_keep.h"
 
 namespace {
-
-std::atomic<int> g_flash_forwards{0};
-
-at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const int64_t rep = q.size(1) / k.size(1), T = q.size(2);
-  const at::Tensor kk = k.repeat_interleave(rep, 1), vv = v.repeat_interleave(rep, 1);
-  at::Tensor scores = at::matmul(q, kk.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(3)));
-  scores = scores.masked_fill(at::ones({T, T}, q.options().dtype(at::kBool)).triu(1),
-                              -std::numeric_limits<double>::infinity());
-  return at::matmul(at::softmax(scores, -1), vv);
-}
 
 struct Operands {
   at::Tensor q, k, v, dy;
@@ -45,25 +31,6 @@ Operands make(at::ScalarType dtype, int64_t heads, int64_t kv_heads) {
 
 at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().requires_grad_(true); }
 
-void expect_close(const at::Tensor& got, const at::Tensor& want, double tol, const std::string& what) {
-  const double err = (got.to(at::kDouble) - want).abs().max().item<double>();
-  EXPECT_LE(err, tol * (1.0 + want.abs().max().item<double>())) << what;
-}
-
-struct FlashCounter {
-  FlashCounter() {
-    handle = at::addGlobalCallback(at::RecordFunctionCallback(
-        [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
-          const std::string name = fn.name();
-          if (name == "aten::_scaled_dot_product_flash_attention" || name == "aten::_scaled_dot_product_cudnn_attention")
-            ++g_flash_forwards;
-          return nullptr;
-        }));
-  }
-  ~FlashCounter() { at::removeCallback(handle); }
-  at::CallbackHandle handle;
-};
-
 }  // namespace
 
 TEST(CausalAttentionCuda, FlashMatchesTheMathInDouble) {
@@ -78,31 +45,32 @@ TEST(CausalAttentionCuda, FlashMatchesTheMathInDouble) {
       at::Tensor y = bmt::nn::causal_attention(q, k, v);
       y.backward(o.dy);
       at::Tensor rq = leaf(o.q.to(at::kDouble)), rk = leaf(o.k.to(at::kDouble)), rv = leaf(o.v.to(at::kDouble));
-      at::Tensor ry = reference_attention(rq, rk, rv);
+      at::Tensor ry = bmt::testing::reference_causal_attention(rq, rk, rv);
       ry.backward(o.dy.to(at::kDouble));
       const double tol = dtype == at::kHalf ? 4e-3 : 2e-2;  // a few output roundings of the dtype
       const std::string what = std::string(c10::toString(dtype)) + " heads " + std::to_string(heads) + "/" +
                                std::to_string(kv_heads);
-      expect_close(y, ry, tol, what + " output");
-      expect_close(q.grad(), rq.grad(), tol, what + " dq");
-      expect_close(k.grad(), rk.grad(), tol, what + " dk");
-      expect_close(v.grad(), rv.grad(), tol, what + " dv");
+      bmt::testing::expect_close(y, ry, tol, what + " output");
+      bmt::testing::expect_close(q.grad(), rq.grad(), tol, what + " dq");
+      bmt::testing::expect_close(k.grad(), rk.grad(), tol, what + " dk");
+      bmt::testing::expect_close(v.grad(), rv.grad(), tol, what + " dv");
     }
   }
 }
 
 TEST(CausalAttentionCuda, TheRecomputeTakesTheKeptOutput) {
   Operands o = make(at::kBFloat16, 4, 4);
-  FlashCounter counter;
+  bmt::testing::OpCallCounter forwards(
+      {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_cudnn_attention"});
   // Plain: one forward with autograd.
   at::Tensor q = leaf(o.q), k = leaf(o.k), v = leaf(o.v);
-  g_flash_forwards = 0;
+  forwards.reset();
   at::Tensor y = bmt::nn::causal_attention(q, k, v);
   y.backward(o.dy);
-  EXPECT_EQ(g_flash_forwards.load(), 1);
+  EXPECT_EQ(forwards.count(), 1);
   // As a checkpointed Block runs it: first without autograd, keeping; then the recompute, taking.
   bmt::detail::KeptValues kept;
-  g_flash_forwards = 0;
+  forwards.reset();
   {
     bmt::detail::RecomputeScope first(bmt::RecomputePhase::kFirstRun, &kept);
     at::NoGradGuard no_grad;
@@ -115,11 +83,11 @@ TEST(CausalAttentionCuda, TheRecomputeTakesTheKeptOutput) {
     y2 = bmt::nn::causal_attention(q2, k2, v2);
   }
   EXPECT_TRUE(kept.values.empty());
-  EXPECT_EQ(g_flash_forwards.load(), 1);  // only the first run's
+  EXPECT_EQ(forwards.count(), 1);  // only the first run's
   y2.backward(o.dy);
   EXPECT_TRUE(at::equal(y, y2));  // the kept output itself
   // The fused backwards sum dq over key blocks with atomics (run to run, the last bits move): one bf16 rounding.
-  expect_close(q2.grad(), q.grad().to(at::kDouble), 1e-2, "dq");
-  expect_close(k2.grad(), k.grad().to(at::kDouble), 1e-2, "dk");
-  expect_close(v2.grad(), v.grad().to(at::kDouble), 1e-2, "dv");
+  bmt::testing::expect_close(q2.grad(), q.grad().to(at::kDouble), 1e-2, "dq");
+  bmt::testing::expect_close(k2.grad(), k.grad().to(at::kDouble), 1e-2, "dk");
+  bmt::testing::expect_close(v2.grad(), v.grad().to(at::kDouble), 1e-2, "dv");
 }

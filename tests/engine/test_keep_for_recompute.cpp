@@ -6,12 +6,10 @@
 // recompute that meets another attention than the first run fails with a message instead of using wrong values.
 #include <gtest/gtest.h>
 
-#include <ATen/record_function.h>
-
-#include <atomic>
 #include <string>
 #include <vector>
 
+#include "attention_test_util.h"
 #include "bmt/block.h"
 #include "bmt/block_list.h"
 #include "bmt/core/error.h"
@@ -26,7 +24,6 @@
 namespace {
 
 constexpr int64_t kDim = 16, kHeads = 2, kLayers = 3, kBatch = 2, kSeq = 7;
-std::atomic<int> g_flash_forwards{0};
 
 struct AttnLayerImpl : torch::nn::Module {
   AttnLayerImpl()
@@ -69,7 +66,7 @@ struct Result {
   int flash_forwards = 0;          // per step
 };
 
-Result run(bool checkpoint, bool keep) {
+Result run(bool checkpoint, bool keep, bmt::testing::OpCallCounter& flash_forwards) {
   bmt::BlockOptions opts;
   opts.use_checkpoint = checkpoint;
   opts.keep_for_recompute = keep;
@@ -77,30 +74,17 @@ Result run(bool checkpoint, bool keep) {
   at::manual_seed(21);
   for (auto& b : model.blocks) bmt::init_parameters(*b->module());
   at::Tensor x = at::randn({kBatch, kSeq, kDim}).requires_grad_(true);
-  g_flash_forwards = 0;
+  flash_forwards.reset();
   at::Tensor loss = model.forward(x).pow(2).mean();
   loss.backward();
   Result r;
-  r.flash_forwards = g_flash_forwards.load();
+  r.flash_forwards = flash_forwards.count();
   r.values.push_back(loss.detach());
   r.values.push_back(x.grad());
   for (auto& b : model.blocks)
     for (auto& p : b->module()->parameters()) r.values.push_back(bmt::main_grad(p).clone());
   return r;
 }
-
-// Counts the CPU flash forward kernel's calls on every thread (the recompute runs on autograd's).
-struct FlashCounter {
-  FlashCounter() {
-    handle = at::addGlobalCallback(at::RecordFunctionCallback(
-        [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
-          if (std::string(fn.name()) == "aten::_scaled_dot_product_flash_attention_for_cpu") ++g_flash_forwards;
-          return nullptr;
-        }));
-  }
-  ~FlashCounter() { at::removeCallback(handle); }
-  at::CallbackHandle handle;
-};
 
 void expect_identical(const Result& ref, const Result& got, const std::string& what) {
   ASSERT_EQ(ref.values.size(), got.values.size()) << what;
@@ -112,10 +96,11 @@ void expect_identical(const Result& ref, const Result& got, const std::string& w
 
 TEST(KeepForRecompute, AttentionIsNotRecomputedAndGradientsAreUnchanged) {
   bmt::testing::run_ranks(1, [] {
-    FlashCounter counter;
-    const Result plain = run(/*checkpoint=*/false, true);
-    const Result recompute_all = run(true, /*keep=*/false);
-    const Result kept = run(true, true);
+    // The CPU flash forward kernel, on every thread (the recompute runs on autograd's).
+    bmt::testing::OpCallCounter counter({"aten::_scaled_dot_product_flash_attention_for_cpu"});
+    const Result plain = run(/*checkpoint=*/false, true, counter);
+    const Result recompute_all = run(true, /*keep=*/false, counter);
+    const Result kept = run(true, true, counter);
     EXPECT_EQ(plain.flash_forwards, kLayers);
     EXPECT_EQ(recompute_all.flash_forwards, 2 * kLayers);
     EXPECT_EQ(kept.flash_forwards, kLayers);
@@ -123,7 +108,7 @@ TEST(KeepForRecompute, AttentionIsNotRecomputedAndGradientsAreUnchanged) {
     expect_identical(plain, kept, "checkpointing, attention kept");
 
     bmt::detail::set_keep_for_recompute_enabled(false);  // the process switch (BMT_KEEP_FOR_RECOMPUTE=0)
-    const Result switched_off = run(true, true);
+    const Result switched_off = run(true, true, counter);
     bmt::detail::set_keep_for_recompute_enabled(true);
     EXPECT_EQ(switched_off.flash_forwards, 2 * kLayers);
     expect_identical(plain, switched_off, "switched off");

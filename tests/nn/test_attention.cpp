@@ -6,33 +6,15 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
-#include <cmath>
-#include <limits>
 #include <string>
 
 #include "bmt/core/error.h"
+#include "attention_test_util.h"
 #include "bmt/nn/attention.h"
 
 namespace {
 
 at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().requires_grad_(true); }
-
-// softmax(q kᵀ / √hd + causal mask) v in double, k and v repeated for grouped-query heads.
-at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const int64_t rep = q.size(1) / k.size(1), T = q.size(2);
-  const at::Tensor kk = k.repeat_interleave(rep, 1), vv = v.repeat_interleave(rep, 1);
-  at::Tensor scores = at::matmul(q, kk.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(3)));
-  const at::Tensor future = at::ones({T, T}, at::kBool).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-  return at::matmul(at::softmax(scores, -1), vv);
-}
-
-void expect_close(const at::Tensor& got, const at::Tensor& want, double tol, const std::string& what) {
-  ASSERT_TRUE(got.defined()) << what;
-  ASSERT_EQ(got.sizes(), want.sizes()) << what;
-  const double err = (got.to(at::kDouble) - want).abs().max().item<double>();
-  EXPECT_LE(err, tol * (1.0 + want.abs().max().item<double>())) << what;
-}
 
 void check(at::ScalarType dtype, int64_t heads, int64_t kv_heads, bool transposed_layout, double tol) {
   at::manual_seed(7);
@@ -50,12 +32,12 @@ void check(at::ScalarType dtype, int64_t heads, int64_t kv_heads, bool transpose
   y.backward(dy.to(dtype));
   at::Tensor rq = leaf(q.detach().to(at::kDouble)), rk = leaf(k.detach().to(at::kDouble)),
              rv = leaf(v.detach().to(at::kDouble));
-  at::Tensor ry = reference_attention(rq, rk, rv);
+  at::Tensor ry = bmt::testing::reference_causal_attention(rq, rk, rv);
   ry.backward(dy.to(dtype).to(at::kDouble));
-  expect_close(y, ry, tol, "output");
-  expect_close(q.grad(), rq.grad(), tol, "dq");
-  expect_close(k.grad(), rk.grad(), tol, "dk");
-  expect_close(v.grad(), rv.grad(), tol, "dv");
+  bmt::testing::expect_close(y, ry, tol, "output");
+  bmt::testing::expect_close(q.grad(), rq.grad(), tol, "dq");
+  bmt::testing::expect_close(k.grad(), rk.grad(), tol, "dk");
+  bmt::testing::expect_close(v.grad(), rv.grad(), tol, "dv");
 }
 
 }  // namespace
