@@ -63,7 +63,8 @@ struct FusedAttentionFn : torch::autograd::Function<FusedAttentionFn> {
       f = {kept[0], kept[1], kept[2], kept[3]};
     } else {
       f = run_forward(static_cast<AttentionKernel>(kernel_id), q, k, v);
-      keep_for_recompute({f.out, f.lse, f.seed, f.offset, at::scalar_tensor(kernel_id, at::kLong)});
+      if (recompute_phase() == RecomputePhase::kFirstRun)  // (not built for calls that keep nothing)
+        keep_for_recompute({f.out, f.lse, f.seed, f.offset, at::scalar_tensor(kernel_id, at::kLong)});
     }
     ctx->saved_data["kernel"] = kernel_id;
     ctx->save_for_backward({q, k, v, f.out, f.lse, f.seed, f.offset});
