@@ -5,11 +5,11 @@
 #include <fstream>
 #include <stdexcept>
 
-#include "bmt/block.h"
-#include "bmt/memory_stats.h"
+#include "bmt/engine/block.h"
+#include "bmt/runtime/memory_stats.h"
 #include "bmt/optim/adam.h"
-#include "bmt/param_registry.h"
-#include "bmt/parameter.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/parameter.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

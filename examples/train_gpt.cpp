@@ -12,7 +12,7 @@
 #include <string>
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "train/trainer.h"
 
 namespace {

@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
-#include "bmt/init.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/runtime/init.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>

@@ -6,8 +6,8 @@
 #include <cstring>
 #include <string>
 
-#include "bmt/distributed.h"
-#include "bmt/init.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/runtime/init.h"
 
 static std::string fmt(const at::Tensor& t) {
   at::Tensor c = t.flatten().to(at::kCPU).to(at::kLong);

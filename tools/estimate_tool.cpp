@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "bmt/core/error.h"
-#include "bmt/estimate_memory.h"
+#include "bmt/runtime/estimate_memory.h"
 
 namespace {
 

@@ -3,7 +3,7 @@
 #include <filesystem>
 
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "train/checkpoint.h"
 
 namespace examples {

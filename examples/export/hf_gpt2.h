@@ -8,7 +8,7 @@
 
 #include <string>
 
-#include "bmt/module_state.h"
+#include "bmt/params/module_state.h"
 #include "export/safetensors.h"
 #include "models/language_model.h"
 

@@ -4,7 +4,7 @@
 #include <filesystem>
 
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "export/hf_gpt2.h"
 #include "train/checkpoint.h"
 

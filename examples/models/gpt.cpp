@@ -1,11 +1,11 @@
 #include "models/gpt.h"
 
-#include "bmt/block.h"
+#include "bmt/engine/block.h"
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "bmt/nn/fused_linear.h"
-#include "bmt/parameter.h"
-#include "bmt/pipeline.h"
+#include "bmt/params/parameter.h"
+#include "bmt/pipeline/pipeline.h"
 #include "bmt/nn/attention.h"
 #include "models/attention.h"
 

@@ -30,7 +30,7 @@
 // those of the tp_size 1 model (c_attn keeps its (3d, d) layout). tp_size must divide heads, ff and vocab.
 #pragma once
 
-#include "bmt/block_list.h"
+#include "bmt/engine/block_list.h"
 #include "bmt/nn/layers.h"
 #include "bmt/nn/planned_layers.h"
 #include "models/language_model.h"

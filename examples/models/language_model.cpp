@@ -1,10 +1,10 @@
 #include "models/language_model.h"
 
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
-#include "bmt/init.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/runtime/init.h"
 #include "bmt/loss/fused_cross_entropy.h"
-#include "bmt/parameter.h"
+#include "bmt/params/parameter.h"
 #include "models/gpt.h"
 #include "models/llama.h"
 

@@ -20,7 +20,7 @@
 #include <string>
 
 #include "bmt/nn/planned_layers.h"
-#include "bmt/pipeline.h"
+#include "bmt/pipeline/pipeline.h"
 
 namespace bmt {
 namespace optim {

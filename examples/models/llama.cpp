@@ -1,8 +1,8 @@
 #include "models/llama.h"
 
-#include "bmt/block.h"
+#include "bmt/engine/block.h"
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "bmt/nn/attention.h"
 #include "models/attention.h"
 #include "models/rope.h"

@@ -19,7 +19,7 @@
 // (gradients summed, or averaged without sequence parallelism).
 #pragma once
 
-#include "bmt/block_list.h"
+#include "bmt/engine/block_list.h"
 #include "bmt/nn/layers.h"
 #include "bmt/nn/planned_layers.h"
 #include "models/language_model.h"

@@ -3,9 +3,9 @@
 #include <ATen/core/grad_mode.h>
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/pipeline.h"
+#include "bmt/pipeline/pipeline.h"
 #include "models/language_model.h"
 
 namespace examples {

@@ -14,7 +14,7 @@
 
 #include "bmt/checkpoint/sharded_checkpoint.h"
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 
 namespace examples {
 

@@ -1,6 +1,6 @@
 #include "train/evaluate.h"
 
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 
 namespace examples {
 

@@ -3,7 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 
 namespace examples {
 

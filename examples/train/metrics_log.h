@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "bmt/inspect.h"
+#include "bmt/engine/inspect.h"
 
 namespace examples {
 

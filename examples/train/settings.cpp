@@ -10,7 +10,7 @@
 #endif
 
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "export/hf_import.h"
 #include "models/presets.h"
 #include "train/progress.h"

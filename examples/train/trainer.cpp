@@ -8,13 +8,13 @@
 #include <fstream>
 
 #include "bmt/core/error.h"
-#include "bmt/cuda_graph_step.h"
-#include "bmt/distributed.h"
-#include "bmt/memory_stats.h"
+#include "bmt/engine/cuda_graph_step.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/runtime/memory_stats.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/parameter.h"
-#include "bmt/pipeline_schedule.h"
+#include "bmt/params/parameter.h"
+#include "bmt/pipeline/pipeline_schedule.h"
 #include "data/dataset.h"
 #include "export/hf_import.h"
 #include "export/hf_llama.h"

@@ -4,8 +4,8 @@
 
 #include <optional>
 
-#include "bmt/block.h"
-#include "bmt/block_list.h"
+#include "bmt/engine/block.h"
+#include "bmt/engine/block_list.h"
 #include "bmt/loss/fused_cross_entropy.h"
 #include "bmt/nn/attention.h"
 #include "bmt/nn/fused_linear.h"

@@ -1,7 +1,7 @@
 // bmtrain._C: bmt::estimate_memory for bmt.estimate_memory (python/bmtrain/estimate.py).
 #include <pybind11/stl.h>
 
-#include "bmt/estimate_memory.h"
+#include "bmt/runtime/estimate_memory.h"
 #include "py_support.h"
 
 namespace bmt::python {

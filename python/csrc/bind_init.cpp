@@ -2,9 +2,9 @@
 #include <c10/util/Exception.h>
 
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
-#include "bmt/init.h"
-#include "bmt/memory_stats.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/runtime/init.h"
+#include "bmt/runtime/memory_stats.h"
 #include "py_support.h"
 
 namespace bmt::python {

@@ -3,7 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "bmt/inspect.h"
+#include "bmt/engine/inspect.h"
 #include "py_support.h"
 
 namespace bmt::python {

@@ -2,10 +2,10 @@
 // (init_parameters, state_dict, load_state_dict, consolidated save/load) over a holder of a Python model's tensors.
 #include "bmt/checkpoint/consolidated.h"
 #include "bmt/checkpoint/hf_dir.h"
-#include "bmt/init.h"
-#include "bmt/param_init.h"
-#include "bmt/param_registry.h"
-#include "bmt/parameter.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/param_init.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/parameter.h"
 #include "bmt/state_dict.h"
 #include "py_support.h"
 

@@ -1,5 +1,5 @@
 // bmtrain._C: the pipeline block list (bmt::PipelineTransformerBlockList) over Python Blocks.
-#include "bmt/pipeline.h"
+#include "bmt/pipeline/pipeline.h"
 #include "py_support.h"
 
 namespace bmt::python {

@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "bmt/block.h"
-#include "bmt/parameter.h"
+#include "bmt/engine/block.h"
+#include "bmt/params/parameter.h"
 
 namespace bmt::python {
 

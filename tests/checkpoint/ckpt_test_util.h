@@ -13,12 +13,12 @@
 
 #include "bmt/checkpoint/file_io.h"
 #include "bmt/checkpoint/sharded_checkpoint.h"
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/lr_scheduler.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/module_state.h"
+#include "bmt/params/module_state.h"
 #include "run_ranks.h"
 #include "tiny_model.h"
 

@@ -17,7 +17,7 @@
 #include "bmt/checkpoint/sharded_checkpoint.h"
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "tiny_model.h"
 
 using namespace bmt::checkpoint;

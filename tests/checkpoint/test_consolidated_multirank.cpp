@@ -3,7 +3,7 @@
 // world size 3 into a differently wrapped model, and report every mismatch together.
 #include "bmt/checkpoint/consolidated.h"
 #include "bmt/checkpoint/tensor_file.h"
-#include "bmt/param_init.h"
+#include "bmt/params/param_init.h"
 #include "ckpt_test_util.h"
 
 using namespace ckpt_test;

@@ -7,7 +7,7 @@
 // The uninterrupted asynchronous run itself must equal a synchronous plain-Adam run bit for bit.
 #include "bmt/checkpoint/consolidated.h"
 #include "bmt/checkpoint/tensor_file.h"
-#include "bmt/pending_update.h"
+#include "bmt/params/pending_update.h"
 #include "ckpt_test_util.h"
 #include "gated_pool.h"
 

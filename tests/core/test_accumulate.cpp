@@ -7,7 +7,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/accumulate_internal.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace k = bmt::core::kernels;
 

@@ -4,7 +4,7 @@
 #include <map>
 
 #include "bmt/core/error.h"
-#include "bmt/launch_env_internal.h"
+#include "bmt/runtime/launch_env_internal.h"
 
 namespace {
 

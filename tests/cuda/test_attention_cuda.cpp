@@ -13,7 +13,7 @@
 
 #include "attention_test_util.h"
 #include "bmt/nn/attention.h"
-#include "bmt/recompute_keep.h"
+#include "bmt/engine/recompute_keep.h"
 
 namespace {
 

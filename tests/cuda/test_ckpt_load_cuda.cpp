@@ -11,8 +11,8 @@
 
 #include "bmt/checkpoint/checkpoint.h"
 #include "bmt/checkpoint/host_staging_internal.h"
-#include "bmt/distributed.h"
-#include "bmt/module_state.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/params/module_state.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/optim_manager.h"
 #include "run_ranks.h"

@@ -15,7 +15,7 @@
 #include "bmt/core/kernels/cross_entropy_internal.h"
 #include "bmt/core/kernels/thread_pool.h"
 #include "bmt/loss/fused_cross_entropy.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace k = bmt::core::kernels;
 using bmt::loss::FusedCrossEntropyOptions;

@@ -27,13 +27,13 @@
 #include <string>
 #include <vector>
 
-#include "bmt/cuda_graph_step.h"
-#include "bmt/init.h"
-#include "bmt/module_state.h"
+#include "bmt/engine/cuda_graph_step.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/module_state.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/param_registry.h"
-#include "bmt/parameter.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/parameter.h"
 #include "models/language_model.h"
 #include "run_ranks.h"
 

@@ -12,7 +12,7 @@
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace k = bmt::core::kernels;
 constexpr auto gemm_args = &bmt::nn::gemm_epilogue_args;  // (the short name the cases use)

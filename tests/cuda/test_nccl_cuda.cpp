@@ -16,7 +16,7 @@
 #include <cstdlib>
 
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "collective_dtypes.h"
 #include "run_ranks.h"
 

@@ -10,8 +10,8 @@
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/grad_utils.h"
-#include "bmt/param_registry.h"
-#include "bmt/pending_update.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/pending_update.h"
 #include "opt_test_util.h"
 
 using bmt::optim::AdamOffloadOptimizer;

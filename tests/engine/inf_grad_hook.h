@@ -7,9 +7,9 @@
 
 #include <limits>
 
-#include "bmt/block.h"
-#include "bmt/init.h"
-#include "bmt/param_registry.h"
+#include "bmt/engine/block.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/param_registry.h"
 
 namespace tiny {
 

@@ -9,10 +9,10 @@
 #include <map>
 #include <string>
 
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "bmt/nn/layers.h"
 #include "bmt/nn/parallel_layers.h"
-#include "bmt/pipeline.h"
+#include "bmt/pipeline/pipeline.h"
 #include "tiny_model.h"
 
 namespace pipe_test {

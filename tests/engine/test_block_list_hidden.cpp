@@ -4,12 +4,12 @@
 // prefetch depth 0, 1 and 2. Also the memory bound of prefetching: at most depth + 1 blocks gathered at once.
 #include <gtest/gtest.h>
 
-#include "bmt/block.h"
-#include "bmt/block_list.h"
-#include "bmt/distributed.h"
-#include "bmt/memory_stats.h"
+#include "bmt/engine/block.h"
+#include "bmt/engine/block_list.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/runtime/memory_stats.h"
 #include "bmt/nn/layers.h"
-#include "bmt/param_registry.h"
+#include "bmt/params/param_registry.h"
 #include "bmt/state_dict.h"
 #include "full_grad.h"
 #include "run_ranks.h"

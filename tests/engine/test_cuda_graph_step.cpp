@@ -6,7 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "bmt/core/error.h"
-#include "bmt/cuda_graph_step.h"
+#include "bmt/engine/cuda_graph_step.h"
 
 namespace {
 

@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "bmt/block.h"
-#include "bmt/init.h"
-#include "bmt/param_registry.h"
-#include "bmt/parameter.h"
+#include "bmt/engine/block.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/parameter.h"
 #include "run_ranks.h"
 #include "tiny_model.h"
 

@@ -10,15 +10,15 @@
 #include <vector>
 
 #include "attention_test_util.h"
-#include "bmt/block.h"
-#include "bmt/block_list.h"
+#include "bmt/engine/block.h"
+#include "bmt/engine/block_list.h"
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "bmt/nn/attention.h"
 #include "bmt/nn/layers.h"
-#include "bmt/param_registry.h"
-#include "bmt/parameter.h"
-#include "bmt/recompute_keep.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/parameter.h"
+#include "bmt/engine/recompute_keep.h"
 #include "run_ranks.h"
 
 namespace {

@@ -8,10 +8,10 @@
 
 #include <torch/optim/adam.h>
 
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/pending_update.h"
+#include "bmt/params/pending_update.h"
 #include "bmt/state_dict.h"
 #include "run_ranks.h"
 #include "tiny_model.h"

@@ -16,12 +16,12 @@
 
 #include "bmt/checkpoint/checkpoint.h"
 #include "bmt/checkpoint/file_io.h"
-#include "bmt/distributed.h"
-#include "bmt/module_state.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/params/module_state.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/param_registry.h"
-#include "bmt/pipeline.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/pipeline/pipeline.h"
 #include "pipe_test_model.h"
 #include "run_ranks.h"
 

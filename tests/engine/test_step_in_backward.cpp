@@ -10,15 +10,15 @@
 #include <optional>
 #include <string>
 
-#include "bmt/block.h"
+#include "bmt/engine/block.h"
 #include "bmt/core/error.h"
-#include "bmt/init.h"
-#include "bmt/memory_stats.h"
-#include "bmt/module_state.h"
+#include "bmt/runtime/init.h"
+#include "bmt/runtime/memory_stats.h"
+#include "bmt/params/module_state.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/param_registry.h"
-#include "bmt/parameter.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/parameter.h"
 #include "run_ranks.h"
 #include "inf_grad_hook.h"
 #include "tiny_model.h"

@@ -18,8 +18,8 @@
 // Parameters after an SGD step: one bf16 rounding of the new value (<= 2^-7 |value|) plus lr times the gradient bound.
 #include <gtest/gtest.h>
 
-#include "bmt/distributed.h"
-#include "bmt/param_registry.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/params/param_registry.h"
 #include "bmt/state_dict.h"
 #include "full_grad.h"
 #include "run_ranks.h"

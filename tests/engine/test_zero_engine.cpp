@@ -4,12 +4,12 @@
 // parameters (different summation orders only).
 #include <gtest/gtest.h>
 
-#include "bmt/distributed.h"
-#include "bmt/memory_stats.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/runtime/memory_stats.h"
 #include "bmt/optim/adam.h"
-#include "bmt/param_init.h"
-#include "bmt/param_registry.h"
-#include "bmt/module_state.h"
+#include "bmt/params/param_init.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/module_state.h"
 #include "run_ranks.h"
 #include "tiny_model.h"
 

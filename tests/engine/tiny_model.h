@@ -5,8 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
 
-#include "bmt/block.h"
-#include "bmt/block_list.h"
+#include "bmt/engine/block.h"
+#include "bmt/engine/block_list.h"
 #include "bmt/nn/layers.h"
 
 namespace tiny {

@@ -18,14 +18,14 @@
 #include <string>
 #include <vector>
 
-#include "bmt/block.h"
-#include "bmt/init.h"
-#include "bmt/module_state.h"
+#include "bmt/engine/block.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/module_state.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/parameter.h"
+#include "bmt/params/parameter.h"
 #include "models/language_model.h"
 #include "reference_gpt_trainer.h"
 

@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <fstream>
 
-#include "bmt/init.h"
-#include "bmt/module_state.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/module_state.h"
 #include "export/hf_gpt2.h"
 #include "models/gpt.h"
 

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "bmt/init.h"
-#include "bmt/parameter.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/parameter.h"
 #include "export/hf_import.h"
 #include "export/hf_llama.h"
 

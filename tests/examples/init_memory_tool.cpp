@@ -14,9 +14,9 @@
 #include <map>
 #include <string>
 
-#include "bmt/init.h"
-#include "bmt/param_init.h"
-#include "bmt/parameter.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/param_init.h"
+#include "bmt/params/parameter.h"
 #include "models/presets.h"
 
 namespace {

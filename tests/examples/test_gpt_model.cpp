@@ -3,9 +3,9 @@
 // parameter (biases and LayerNorms included) set to random values. Also the initialisation rule and the keys.
 #include <gtest/gtest.h>
 
-#include "bmt/init.h"
-#include "bmt/param_registry.h"
-#include "bmt/module_state.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/module_state.h"
 #include "models/gpt.h"
 #include "run_ranks.h"
 

@@ -3,7 +3,7 @@
 // property q(m)·k(n) = f(m - n).
 #include <gtest/gtest.h>
 
-#include "bmt/module_state.h"
+#include "bmt/params/module_state.h"
 #include "full_grad.h"
 #include "models/llama.h"
 #include "models/rope.h"

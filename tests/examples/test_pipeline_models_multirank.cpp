@@ -13,11 +13,11 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "bmt/module_state.h"
+#include "bmt/params/module_state.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/flat_state_dict.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/parameter.h"
+#include "bmt/params/parameter.h"
 #include "models/language_model.h"
 #include "run_ranks.h"
 

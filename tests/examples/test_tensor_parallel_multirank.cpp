@@ -20,13 +20,13 @@
 #include <filesystem>
 #include <optional>
 
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "bmt/nn/parallel_layers.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/optim_manager.h"
 #include "bmt/optim/flat_state_dict.h"
-#include "bmt/parameter.h"
-#include "bmt/module_state.h"
+#include "bmt/params/parameter.h"
+#include "bmt/params/module_state.h"
 #include "llama_reference.h"
 #include "models/gpt.h"
 #include "models/language_model.h"

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "run_ranks.h"
 #include "train/trainer.h"
 

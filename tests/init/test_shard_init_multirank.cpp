@@ -15,16 +15,16 @@
 #include <string>
 #include <vector>
 
-#include "bmt/block.h"
-#include "bmt/block_list.h"
+#include "bmt/engine/block.h"
+#include "bmt/engine/block_list.h"
 #include "bmt/core/philox.h"
-#include "bmt/memory_stats.h"
-#include "bmt/module_state.h"
+#include "bmt/runtime/memory_stats.h"
+#include "bmt/params/module_state.h"
 #include "bmt/nn/layers.h"
 #include "bmt/nn/parallel_layers.h"
 #include "bmt/optim/adam.h"
-#include "bmt/param_init.h"
-#include "bmt/param_registry.h"
+#include "bmt/params/param_init.h"
+#include "bmt/params/param_registry.h"
 #include "run_ranks.h"
 
 namespace {

@@ -24,7 +24,7 @@
 
 #include "bmt/checkpoint/json_internal.h"
 #include "bmt/core/error.h"
-#include "bmt/estimate_memory.h"
+#include "bmt/runtime/estimate_memory.h"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // bmt::model_shape_preset (the estimator's shape-only copies of the presets) agrees with examples/models/presets.cpp.
 #include <gtest/gtest.h>
 
-#include "bmt/estimate_memory.h"
+#include "bmt/runtime/estimate_memory.h"
 #include "models/presets.h"
 
 TEST(EstimatePresets, ShapesEqualTheExamplesPresets) {

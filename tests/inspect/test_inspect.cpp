@@ -4,12 +4,12 @@
 // pattern against closed forms.
 #include <gtest/gtest.h>
 
-#include "bmt/distributed.h"
-#include "bmt/inspect.h"
-#include "bmt/module_state.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/engine/inspect.h"
+#include "bmt/params/module_state.h"
 #include "bmt/nn/layers.h"
-#include "bmt/param_registry.h"
-#include "bmt/parameter.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/parameter.h"
 #include "full_grad.h"
 #include "run_ranks.h"
 #include "tiny_model.h"

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "bmt/loss/fused_cross_entropy.h"
 
 using bmt::loss::FusedCrossEntropyOptions;

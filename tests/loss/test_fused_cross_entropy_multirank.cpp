@@ -6,8 +6,8 @@
 #include <string>
 
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
-#include "bmt/init.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/runtime/init.h"
 #include "bmt/loss/fused_cross_entropy.h"
 #include "run_ranks.h"
 

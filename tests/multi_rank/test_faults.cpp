@@ -21,7 +21,7 @@
 #include <thread>
 
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "run_ranks.h"
 
 namespace {

@@ -17,7 +17,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/peer_monitor.h"
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "run_ranks.h"
 
 namespace {

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "run_ranks.h"
 
 TEST(InitSmoke, WorldAndGroups) {

@@ -2,7 +2,7 @@
 // run_ranks call it was started for must fail (it would otherwise pass without running anything).
 #include <gtest/gtest.h>
 
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "run_ranks.h"
 
 TEST(RunRanks, ChildThatNeverReachesItsBodyFails) {

@@ -8,7 +8,7 @@
 
 #include "bmt/core/kernels/column_reduce_internal.h"
 #include "bmt/nn/fused_reductions.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace k = bmt::core::kernels;
 

@@ -4,9 +4,9 @@
 
 #include <ATen/ATen.h>
 
-#include "bmt/distributed.h"
-#include "bmt/param_registry.h"
-#include "bmt/parameter.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/parameter.h"
 
 namespace bmt::testing {
 

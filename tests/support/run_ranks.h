@@ -13,7 +13,7 @@
 #include <functional>
 #include <string>
 
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 
 namespace bmt::testing {
 

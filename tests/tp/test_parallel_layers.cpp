@@ -6,7 +6,7 @@
 // every data-parallel rank, so ZeRO's sum over dp ranks makes parameter gradients dp times the dense ones.
 #include <gtest/gtest.h>
 
-#include "bmt/block.h"
+#include "bmt/engine/block.h"
 #include "bmt/nn/layers.h"
 #include "bmt/nn/parallel_layers.h"
 #include "bmt/nn/tp_ops.h"

@@ -5,10 +5,10 @@
 
 #include <string>
 
-#include "bmt/distributed.h"
-#include "bmt/init.h"
-#include "bmt/param_registry.h"
-#include "bmt/parameter.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/parameter.h"
 #include "run_ranks.h"
 
 namespace bmt::testing {

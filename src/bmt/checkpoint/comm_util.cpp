@@ -4,8 +4,8 @@
 #include <map>
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/init.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace bmt::checkpoint::detail {
 namespace {

@@ -13,8 +13,8 @@
 #include "bmt/checkpoint/tensor_file.h"
 #include "bmt/checkpoint/tp_layout.h"
 #include "bmt/core/error.h"
-#include "bmt/init.h"
-#include "bmt/pending_update.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/pending_update.h"
 
 namespace bmt {
 

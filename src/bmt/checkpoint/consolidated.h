@@ -26,7 +26,7 @@
 #include <map>
 #include <string>
 
-#include "bmt/module_state.h"
+#include "bmt/params/module_state.h"
 
 namespace bmt {
 

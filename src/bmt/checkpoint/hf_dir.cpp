@@ -16,8 +16,8 @@
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tp_layout.h"
 #include "bmt/core/error.h"
-#include "bmt/init.h"
-#include "bmt/pending_update.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/pending_update.h"
 
 namespace bmt::checkpoint {
 

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "bmt/checkpoint/tensor_info.h"
-#include "bmt/module_state.h"
+#include "bmt/params/module_state.h"
 
 namespace bmt::checkpoint {
 

@@ -13,8 +13,8 @@
 #include "bmt/checkpoint/file_io.h"
 #include "bmt/checkpoint/load_staging_internal.h"
 #include "bmt/core/error.h"
-#include "bmt/init.h"
-#include "bmt/pending_update.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/pending_update.h"
 
 namespace bmt::checkpoint {
 

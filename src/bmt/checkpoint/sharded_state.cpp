@@ -6,7 +6,7 @@
 
 #include "bmt/checkpoint/comm_util_internal.h"
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 
 namespace bmt::checkpoint {
 namespace {

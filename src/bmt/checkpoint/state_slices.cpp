@@ -7,8 +7,8 @@
 #include <mutex>
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
-#include "bmt/parameter.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/parameter.h"
 
 namespace bmt::checkpoint {
 

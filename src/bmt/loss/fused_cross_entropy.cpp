@@ -5,9 +5,9 @@
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/cross_entropy_internal.h"
 #include "bmt/core/kernels/thread_pool.h"
-#include "bmt/cuda_graph_step.h"
-#include "bmt/init.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/engine/cuda_graph_step.h"
+#include "bmt/runtime/init.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 #include <cmath>
 #include <mutex>

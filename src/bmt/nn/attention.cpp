@@ -11,7 +11,7 @@
 #include <torch/version.h>
 
 #include "bmt/core/error.h"
-#include "bmt/recompute_keep.h"
+#include "bmt/engine/recompute_keep.h"
 
 // cuDNN's attention ops took their present signatures (attn_bias, compute_log_sumexp) after torch 2.4.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)

@@ -10,10 +10,10 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
-#include "bmt/nn/env_switch_internal.h"
+#include "bmt/runtime/env_switch_internal.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>

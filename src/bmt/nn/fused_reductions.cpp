@@ -6,8 +6,8 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/column_reduce_internal.h"
-#include "bmt/nn/env_switch_internal.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/env_switch_internal.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>

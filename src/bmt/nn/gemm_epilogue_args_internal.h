@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace bmt::nn {
 

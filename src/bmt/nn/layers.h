@@ -5,7 +5,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
-#include "bmt/parameter.h"
+#include "bmt/params/parameter.h"
 
 namespace bmt::nn {
 

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/tp_ops.h"
 #include "bmt/nn/tp_overlap.h"

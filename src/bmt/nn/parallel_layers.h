@@ -26,7 +26,7 @@
 
 #include <optional>
 
-#include "bmt/parameter.h"
+#include "bmt/params/parameter.h"
 
 namespace bmt::nn {
 

@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 
 namespace bmt::nn {
 namespace {

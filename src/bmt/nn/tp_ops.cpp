@@ -3,8 +3,8 @@
 #include <torch/autograd.h>
 
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
-#include "bmt/init.h"
+#include "bmt/runtime/distributed.h"
+#include "bmt/runtime/init.h"
 
 namespace bmt::tp {
 namespace {

@@ -8,8 +8,8 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/thread_pool.h"
-#include "bmt/stream_sync.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/stream_sync.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>

@@ -6,8 +6,8 @@
 #include <unordered_set>
 
 #include "bmt/core/error.h"
-#include "bmt/param_registry.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace bmt::optim {
 namespace {

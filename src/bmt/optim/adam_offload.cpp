@@ -8,8 +8,8 @@
 #include <map>
 
 #include "bmt/core/error.h"
-#include "bmt/parameter.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/params/parameter.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>

@@ -43,7 +43,7 @@
 
 #include "bmt/core/kernels/thread_pool.h"
 #include "bmt/optim/adam_base.h"
-#include "bmt/pending_update.h"
+#include "bmt/params/pending_update.h"
 
 namespace bmt::optim {
 

@@ -5,10 +5,10 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/has_inf_nan_internal.h"
-#include "bmt/init.h"
-#include "bmt/param_registry.h"
-#include "bmt/stream_sync.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/runtime/stream_sync.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>

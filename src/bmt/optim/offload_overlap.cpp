@@ -3,13 +3,13 @@
 #include <algorithm>
 #include <unordered_set>
 
-#include "bmt/block.h"
+#include "bmt/engine/block.h"
 #include "bmt/core/error.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/grad_utils.h"
 #include "bmt/optim/offload_overlap_internal.h"
-#include "bmt/parameter.h"
+#include "bmt/params/parameter.h"
 
 namespace bmt::optim {
 namespace detail {

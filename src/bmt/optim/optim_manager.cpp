@@ -9,14 +9,14 @@
 #include <unordered_set>
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/grad_utils.h"
 #include "bmt/optim/offload_overlap_internal.h"
 #include "bmt/optim/optimizer.h"
-#include "bmt/param_registry.h"
-#include "bmt/stream_sync.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/runtime/stream_sync.h"
 
 namespace bmt::optim {
 namespace {

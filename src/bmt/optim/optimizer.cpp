@@ -5,10 +5,10 @@
 #include <cmath>
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
-#include "bmt/param_registry.h"
-#include "bmt/param_registry_internal.h"
-#include "bmt/stream_sync.h"
+#include "bmt/runtime/init.h"
+#include "bmt/params/param_registry.h"
+#include "bmt/params/param_registry_internal.h"
+#include "bmt/runtime/stream_sync.h"
 
 namespace {
 // Gradients of Blocks are reduced on the comm stream: order the compute stream after it before reading or
