@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The include graph of src/bmt: no cycles, no include running up the layers, no re-declared functions (seconds).
+python3 scripts/check_includes.py
 start=$(date +%s)
 bash scripts/build.sh cpu
 echo "[test] CPU build done in $(( $(date +%s) - start )) s"
