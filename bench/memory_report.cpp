@@ -8,7 +8,7 @@
 #include "bmt/engine/block.h"
 #include "bmt/runtime/memory_stats.h"
 #include "bmt/optim/adam.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 
 #ifdef BMT_WITH_CUDA

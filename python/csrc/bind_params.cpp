@@ -4,7 +4,7 @@
 #include "bmt/checkpoint/hf_dir.h"
 #include "bmt/runtime/init.h"
 #include "bmt/params/param_init.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 #include "bmt/state_dict.h"
 #include "py_support.h"

@@ -21,7 +21,7 @@
 #include "bmt/optim/lr_scheduler.h"
 #include "bmt/optim/optim_manager.h"
 #include "bmt/nn/tp_plan.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 #include "bmt/params/module_state.h"
 #include "bmt/params/pending_update.h"

@@ -32,7 +32,7 @@
 #include "bmt/params/module_state.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 #include "models/language_model.h"
 #include "run_ranks.h"

@@ -14,7 +14,7 @@
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 #include "bmt/params/pending_update.h"
 #include "bmt/params/module_state.h"

@@ -30,7 +30,7 @@
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/lr_scheduler.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/pending_update.h"
 #include "bmt/state_dict.h"
 #include "bmt/runtime/stream_sync.h"

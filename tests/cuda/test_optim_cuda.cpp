@@ -10,7 +10,7 @@
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/grad_utils.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/pending_update.h"
 #include "opt_test_util.h"
 

@@ -9,7 +9,7 @@
 
 #include "bmt/engine/block.h"
 #include "bmt/runtime/init.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 
 namespace tiny {
 

@@ -9,7 +9,7 @@
 #include "bmt/runtime/distributed.h"
 #include "bmt/runtime/memory_stats.h"
 #include "bmt/nn/layers.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/state_dict.h"
 #include "full_grad.h"
 #include "run_ranks.h"

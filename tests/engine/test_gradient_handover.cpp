@@ -11,7 +11,7 @@
 
 #include "bmt/engine/block.h"
 #include "bmt/runtime/init.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 #include "run_ranks.h"
 #include "tiny_model.h"

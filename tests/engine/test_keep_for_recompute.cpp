@@ -16,7 +16,7 @@
 #include "bmt/runtime/init.h"
 #include "bmt/nn/attention.h"
 #include "bmt/nn/layers.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 #include "bmt/engine/recompute_keep.h"
 #include "run_ranks.h"

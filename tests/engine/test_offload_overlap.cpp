@@ -19,7 +19,7 @@
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 #include "bmt/params/pending_update.h"
 #include "gated_pool.h"

@@ -19,7 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "bmt/runtime/distributed.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/state_dict.h"
 #include "full_grad.h"
 #include "run_ranks.h"

@@ -8,7 +8,7 @@
 #include "bmt/runtime/memory_stats.h"
 #include "bmt/optim/adam.h"
 #include "bmt/params/param_init.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/module_state.h"
 #include "run_ranks.h"
 #include "tiny_model.h"

@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "bmt/runtime/init.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/module_state.h"
 #include "models/gpt.h"
 #include "run_ranks.h"

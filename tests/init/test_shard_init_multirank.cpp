@@ -24,7 +24,7 @@
 #include "bmt/nn/parallel_layers.h"
 #include "bmt/optim/adam.h"
 #include "bmt/params/param_init.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "run_ranks.h"
 
 namespace {

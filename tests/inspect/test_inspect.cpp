@@ -8,7 +8,7 @@
 #include "bmt/engine/inspect.h"
 #include "bmt/params/module_state.h"
 #include "bmt/nn/layers.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 #include "full_grad.h"
 #include "run_ranks.h"

@@ -8,7 +8,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/optim/adam.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "opt_test_util.h"
 
 using bmt::optim::AdamOptimizer;

@@ -5,7 +5,7 @@
 #include "bmt/core/error.h"
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/pending_update.h"
 #include "gated_pool.h"
 #include "opt_test_util.h"

@@ -8,7 +8,7 @@
 #include "bmt/optim/adam.h"
 #include "bmt/optim/grad_utils.h"
 #include "bmt/optim/optim_manager.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "run_ranks.h"
 
 using bmt::optim::AdamOptimizer;

@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "bmt/runtime/distributed.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 
 namespace bmt::testing {

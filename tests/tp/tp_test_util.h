@@ -7,7 +7,7 @@
 
 #include "bmt/runtime/distributed.h"
 #include "bmt/runtime/init.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 #include "run_ranks.h"
 

@@ -10,7 +10,7 @@
 
 #include "bmt/checkpoint/atomic_dir_internal.h"
 #include "bmt/checkpoint/parallel_crc_internal.h"
-#include "bmt/checkpoint/state_slices.h"
+#include "bmt/checkpoint/tensor_dtype.h"
 #include "bmt/core/error.h"
 
 namespace bmt::checkpoint {

@@ -28,6 +28,7 @@
 
 #include "bmt/checkpoint/checkpoint_reader.h"
 #include "bmt/checkpoint/slice_plan.h"
+#include "bmt/checkpoint/tensor_dtype.h"
 #include "bmt/checkpoint/tp_layout.h"
 
 namespace bmt::checkpoint {
@@ -41,9 +42,6 @@ struct LocalSlice {
 };
 
 
-// at::ScalarType <-> safetensors dtype names; unsupported types throw naming the context.
-std::string dtype_name(at::ScalarType t);
-at::ScalarType scalar_type_of(const std::string& dtype);
 
 // The unwrapped model's parameter and buffer names, by TensorImpl (stable across Block's set_data).
 std::unordered_map<const void*, std::string> param_names(torch::nn::Module& model);

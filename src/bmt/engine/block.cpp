@@ -17,15 +17,15 @@
 #include <mutex>
 
 #include "bmt/core/error.h"
-#include "bmt/engine/cuda_graph_step.h"
 #include "bmt/engine/inspect.h"
 #include "bmt/runtime/init.h"
 #include "bmt/runtime/memory_stats.h"
-#include "bmt/params/param_registry.h"
-#include "bmt/params/param_registry_internal.h"
+#include "bmt/params/param_meta.h"
+#include "bmt/params/param_meta_internal.h"
 #include "bmt/params/parameter.h"
 #include "bmt/params/pending_update.h"
 #include "bmt/engine/recompute_keep.h"
+#include "bmt/runtime/stream_capture.h"
 #include "bmt/runtime/stream_sync.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 

@@ -11,8 +11,8 @@
 #include "bmt/core/kernels/accumulate_internal.h"
 #include "bmt/runtime/memory_stats.h"
 #include "bmt/runtime/env_switch_internal.h"
-#include "bmt/params/param_registry.h"
-#include "bmt/params/param_registry_internal.h"
+#include "bmt/params/param_meta.h"
+#include "bmt/params/param_meta_internal.h"
 #include "bmt/params/parameter.h"
 #include "bmt/runtime/stream_sync.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
@@ -30,7 +30,7 @@ std::map<int, RegisteredHook>& grad_ready_hooks() {
   return hooks;
 }
 int g_next_hook_id = 0;
-nn::EnvSwitch g_handover_switch("BMT_GRADIENT_HANDOVER");
+EnvSwitch g_handover_switch("BMT_GRADIENT_HANDOVER");
 
 // dst += src (same numel). An fp32 CUDA destination with a contiguous half or fp32 source takes the vectorised
 // kernel (torch's mixed-dtype add is an unvectorised casting loop, ~2x slower); everything else at::add_.

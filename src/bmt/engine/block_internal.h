@@ -56,4 +56,10 @@ void run_grad_ready_hooks(Block& block);
 // Whether a hook takes `block`'s gradients over once reduced (GradTakeoverQuery).
 bool gradients_taken_over(const Block& block);
 
+namespace detail {
+// Block forwards recomputed in a backward so far (checkpointing; block.cpp): CudaGraphStep's warm-up compares it
+// around a step to detect device random numbers drawn by a recompute.
+int64_t block_recompute_count();
+}  // namespace detail
+
 }  // namespace bmt

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "bmt/engine/block.h"
+#include "bmt/engine/block_internal.h"
 #include "bmt/core/error.h"
 #include "bmt/runtime/init.h"
 #include "bmt/params/pending_update.h"
@@ -25,10 +26,6 @@
 #endif
 
 namespace bmt {
-namespace detail {
-int64_t block_recompute_count();  // block.cpp: Block forwards recomputed in a backward so far (checkpointing)
-}  // namespace detail
-
 namespace {
 
 void notice(const std::string& msg) {
@@ -127,23 +124,6 @@ struct CudaGraphStep::Impl {
 #else
 struct CudaGraphStep::Impl {};
 #endif
-
-bool current_stream_capturing(const c10::Device& device) {
-#ifdef BMT_WITH_CUDA
-  if (!device.is_cuda()) return false;
-  const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  const cudaError_t e = cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(index).stream(), &status);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return status != cudaStreamCaptureStatusNone;
-#else
-  (void)device;
-  return false;
-#endif
-}
 
 CudaGraphStep::CudaGraphStep(GraphStepFn fn, CudaGraphOptions options) : fn_(std::move(fn)), options_(options) {
   BMT_CHECK(fn_ != nullptr, "CudaGraphStep: the step function is empty");

@@ -44,6 +44,8 @@
 #include <string>
 #include <vector>
 
+#include "bmt/runtime/stream_capture.h"  // current_stream_capturing, declared here before
+
 namespace bmt {
 
 struct CudaGraphOptions {
@@ -95,10 +97,5 @@ class CudaGraphStep {
   std::string disabled_reason_;
   std::string last_mode_;
 };
-
-// True when the calling thread's current stream of `device` is being captured into a CUDA graph
-// (always false on CPU and in builds without CUDA). Code that must not run under capture (host synchronisation,
-// device RNG state reads) checks it.
-bool current_stream_capturing(const c10::Device& device);
 
 }  // namespace bmt

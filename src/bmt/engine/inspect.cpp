@@ -10,7 +10,7 @@
 #include "bmt/core/error.h"
 #include "bmt/runtime/distributed.h"
 #include "bmt/runtime/init.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
 
 namespace bmt::inspect {

@@ -9,7 +9,7 @@ namespace {
 
 thread_local RecomputePhase t_phase = RecomputePhase::kNone;
 thread_local detail::KeptValues* t_kept = nullptr;
-nn::EnvSwitch g_keep_switch("BMT_KEEP_FOR_RECOMPUTE");
+EnvSwitch g_keep_switch("BMT_KEEP_FOR_RECOMPUTE");
 
 }  // namespace
 

@@ -5,7 +5,7 @@
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/cross_entropy_internal.h"
 #include "bmt/core/kernels/thread_pool.h"
-#include "bmt/engine/cuda_graph_step.h"
+#include "bmt/runtime/stream_capture.h"
 #include "bmt/runtime/init.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 

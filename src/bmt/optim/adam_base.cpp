@@ -6,7 +6,7 @@
 #include <unordered_set>
 
 #include "bmt/core/error.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace bmt::optim {

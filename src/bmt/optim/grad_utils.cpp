@@ -6,7 +6,7 @@
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/has_inf_nan_internal.h"
 #include "bmt/runtime/init.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/runtime/stream_sync.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 

@@ -15,7 +15,7 @@
 #include "bmt/optim/grad_utils.h"
 #include "bmt/optim/offload_overlap_internal.h"
 #include "bmt/optim/optimizer.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/runtime/stream_sync.h"
 
 namespace bmt::optim {

@@ -6,8 +6,8 @@
 
 #include "bmt/core/error.h"
 #include "bmt/runtime/init.h"
-#include "bmt/params/param_registry.h"
-#include "bmt/params/param_registry_internal.h"
+#include "bmt/params/param_meta.h"
+#include "bmt/params/param_meta_internal.h"
 #include "bmt/runtime/stream_sync.h"
 
 namespace {

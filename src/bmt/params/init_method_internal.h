@@ -4,7 +4,7 @@
 
 #include <ATen/ATen.h>
 
-#include "bmt/params/parameter.h"
+#include "bmt/params/param_meta.h"
 
 namespace bmt::detail {
 

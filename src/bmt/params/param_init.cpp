@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <cmath>
 
+#include <torch/nn/init.h>
+
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/thread_pool.h"
 #include "bmt/core/philox.h"
 #include "bmt/runtime/init.h"
 #include "bmt/params/init_method_internal.h"
+#include "bmt/params/parameter.h"
 #include "bmt/params/pending_update.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
@@ -128,6 +131,31 @@ void init_full_with_torch(const at::Tensor& p, const ParamMeta& m) {
 }
 
 }  // namespace
+
+namespace detail {
+void BuiltinInit::operator()(at::Tensor& full) const {
+  switch (kind) {
+    case Kind::kNormal: torch::nn::init::normal_(full, a, b); return;
+    case Kind::kUniform: torch::nn::init::uniform_(full, a, b); return;
+    case Kind::kConstant: torch::nn::init::constant_(full, a); return;
+    case Kind::kXavierNormal: torch::nn::init::xavier_normal_(full, a); return;
+    case Kind::kXavierUniform: torch::nn::init::xavier_uniform_(full, a); return;
+  }
+}
+}  // namespace detail
+
+// Built-ins are BuiltinInit values (not lambdas) so that init_parameters can recognise them.
+namespace init {
+using detail::BuiltinInit;
+InitMethod normal(double mean, double std) { return BuiltinInit{BuiltinInit::Kind::kNormal, mean, std}; }
+InitMethod uniform(double low, double high) { return BuiltinInit{BuiltinInit::Kind::kUniform, low, high}; }
+InitMethod constant(double value) { return BuiltinInit{BuiltinInit::Kind::kConstant, value, 0.0}; }
+InitMethod zeros() { return constant(0.0); }
+InitMethod ones() { return constant(1.0); }
+InitMethod xavier_normal() { return xavier_normal(1.0); }
+InitMethod xavier_normal(double gain) { return BuiltinInit{BuiltinInit::Kind::kXavierNormal, gain, 0.0}; }
+InitMethod xavier_uniform(double gain) { return BuiltinInit{BuiltinInit::Kind::kXavierUniform, gain, 0.0}; }
+}  // namespace init
 
 bool is_builtin_init(const InitMethod& init) { return detail::builtin_of(init) != nullptr; }
 

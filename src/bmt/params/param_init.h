@@ -37,11 +37,6 @@ struct InitParametersOptions {
 // default options.
 void init_parameters(torch::nn::Module& module, const InitParametersOptions& options);
 
-namespace init {
-InitMethod xavier_normal(double gain);
-InitMethod xavier_uniform(double gain = 1.0);
-}  // namespace init
-
 // True when `init` is one of bmt::init's initialisers (it fills shards directly).
 bool is_builtin_init(const InitMethod& init);
 // Fills this rank's elements of a DistributedParameter from a built-in initialiser's stream (seed, name).

@@ -1,15 +1,11 @@
 #include "bmt/params/parameter.h"
 
 #include <torch/autograd.h>
-#include <torch/nn/init.h>
 
 #include "bmt/core/error.h"
 #include "bmt/runtime/distributed.h"
 #include "bmt/runtime/init.h"
-#include "bmt/params/init_method_internal.h"
-#include "bmt/params/param_init.h"
-#include "bmt/params/param_registry.h"
-#include "bmt/params/param_registry_internal.h"
+#include "bmt/params/param_meta_internal.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace bmt {
@@ -65,49 +61,12 @@ struct GatherParamFn : torch::autograd::Function<GatherParamFn> {
 
 }  // namespace
 
-namespace detail {
-void BuiltinInit::operator()(at::Tensor& full) const {
-  switch (kind) {
-    case Kind::kNormal: torch::nn::init::normal_(full, a, b); return;
-    case Kind::kUniform: torch::nn::init::uniform_(full, a, b); return;
-    case Kind::kConstant: torch::nn::init::constant_(full, a); return;
-    case Kind::kXavierNormal: torch::nn::init::xavier_normal_(full, a); return;
-    case Kind::kXavierUniform: torch::nn::init::xavier_uniform_(full, a); return;
-  }
-}
-}  // namespace detail
-
-// Built-ins are BuiltinInit values (not lambdas) so that init_parameters can recognise them (param_init.h).
-namespace init {
-using detail::BuiltinInit;
-InitMethod normal(double mean, double std) { return BuiltinInit{BuiltinInit::Kind::kNormal, mean, std}; }
-InitMethod uniform(double low, double high) { return BuiltinInit{BuiltinInit::Kind::kUniform, low, high}; }
-InitMethod constant(double value) { return BuiltinInit{BuiltinInit::Kind::kConstant, value, 0.0}; }
-InitMethod zeros() { return constant(0.0); }
-InitMethod ones() { return constant(1.0); }
-InitMethod xavier_normal() { return xavier_normal(1.0); }
-InitMethod xavier_normal(double gain) { return BuiltinInit{BuiltinInit::Kind::kXavierNormal, gain, 0.0}; }
-InitMethod xavier_uniform(double gain) { return BuiltinInit{BuiltinInit::Kind::kXavierUniform, gain, 0.0}; }
-}  // namespace init
-
 void reduce_over_tp(at::Tensor& grad_shard, TpGradReduce reduce) {
   if (reduce == TpGradReduce::kNone || !is_initialized() || config().tp_size == 1) return;
   core::Communicator& tp = *config().tp_comm;
   const core::ReduceOp op = reduce == TpGradReduce::kSum ? core::ReduceOp::kSum : core::ReduceOp::kAvg;
   tp.all_reduce(grad_shard.data_ptr(), grad_shard.data_ptr(), grad_shard.numel(),
                 to_core_dtype(grad_shard.scalar_type()), op, current_stream_handle(grad_shard));
-}
-
-std::vector<int64_t> ParamMeta::logical_shape() const {
-  std::vector<int64_t> s = full_shape;
-  if (is_tp_split()) s[static_cast<size_t>(tp_split_dim)] *= tp_size;
-  return s;
-}
-
-int replication_of(const ParamMeta& m) {
-  const Config& cfg = config();
-  const int stage_copies = std::max(1, cfg.zero_size / m.comm->size());
-  return m.is_tp_split() ? std::max(1, stage_copies / m.tp_size) : stage_copies;
 }
 
 at::Tensor DistributedParameter(at::IntArrayRef full_shape, at::ScalarType dtype, InitMethod init_method,
@@ -215,20 +174,6 @@ void reshard_distributed_parameter(const at::Tensor& param, std::shared_ptr<core
   param.set_requires_grad(requires_grad);
   register_meta(param, meta);
   set_replication(param, replication_of(*meta));
-}
-
-bool is_distributed_param(const at::Tensor& param) { return find_meta(param) != nullptr; }
-
-bool in_block(const at::Tensor& param) {
-  const ParamMeta* m = find_meta(param);
-  return m != nullptr && m->block != nullptr;
-}
-
-ParamMeta& meta_of(const at::Tensor& param) {
-  ParamMeta* m = find_meta(param);
-  BMT_CHECK(m != nullptr, "tensor of shape ", param.sizes(), " is not a bmt::DistributedParameter (create it with "
-            "bmt::DistributedParameter(...))");
-  return *m;
 }
 
 at::Tensor gathered(const at::Tensor& param) {

@@ -6,8 +6,8 @@
 // elements. Inside a Block the tensor's storage is re-pointed into the Block's flat shard (same element range
 // rule, over the Block's packed layout), and while the Block runs it temporarily holds the full tensor.
 //
-// Metadata lives in a registry keyed by the tensor's TensorImpl, so ordinary torch::nn::Module code can hold
-// and register these tensors like any parameter.
+// Metadata (ParamMeta, param_meta.h) lives in a registry keyed by the tensor's TensorImpl, so ordinary
+// torch::nn::Module code can hold and register these tensors like any parameter.
 //
 // Tensor parallelism (tp_size > 1): a TP-split parameter (TensorParallelParameter) has a logical shape that is
 // cut along `tp_split_dim` into tp_size equal pieces; tp rank r owns piece r (with tp_split_groups > 1, e.g. a
@@ -28,64 +28,9 @@
 #include <vector>
 
 #include "bmt/core/communicator.h"
+#include "bmt/params/param_meta.h"
 
 namespace bmt {
-
-class PendingUpdate;
-
-// What parameter.cpp asks of the owner of a parameter's storage (a Block, which implements it). The owner
-// packs its parameters into flat shards and gathers them while it runs.
-class ParamOwner {
- public:
-  // The owner's parameters currently point at their full tensors.
-  virtual bool is_gathered() const = 0;
-  // Full value of one of the owner's parameters (a copy; collective over the owner's communicator).
-  virtual at::Tensor gather_param_copy(const at::Tensor& param) = 0;
-  // Writes this rank's part of `full` into one of the owner's parameters.
-  virtual void scatter_param(const at::Tensor& param, const at::Tensor& full) = 0;
-
- protected:
-  ~ParamOwner() = default;
-};
-
-// Fills a full-size tensor in place (bmt::init's built-ins are recognised and fill shards instead: param_init.h).
-using InitMethod = std::function<void(at::Tensor& full)>;
-
-namespace init {
-InitMethod normal(double mean, double std);
-InitMethod uniform(double low, double high);
-InitMethod constant(double value);
-InitMethod zeros();
-InitMethod ones();
-InitMethod xavier_normal();
-}  // namespace init
-
-enum class TpGradReduce { kNone, kSum, kAvg };
-
-struct ParamMeta {
-  std::vector<int64_t> full_shape;  // this tp rank's piece (the logical shape unless TP-split)
-  int64_t full_numel = 0;
-  at::ScalarType dtype = at::kFloat;
-  std::shared_ptr<core::Communicator> comm;  // the group the parameter is sharded over
-  int64_t shard_begin = 0;                    // element range of the flattened full tensor held here
-  int64_t shard_end = 0;
-  InitMethod init_method;
-  int tp_split_dim = -1;  // tensor parallelism: dim along which the logical tensor is split (-1: not split)
-  // The split dim is tp_split_groups equal blocks (e.g. a fused Q/K/V projection: 3), each cut into tp_size
-  // slices; the piece of tp rank r is slice r of every block, in block order (1: one contiguous piece per rank).
-  int64_t tp_split_groups = 1;
-  int tp_size = 1;        // number of pieces (config().tp_size for split parameters, else 1)
-  int tp_rank = 0;        // the piece held here
-  TpGradReduce tp_grad_reduce = TpGradReduce::kNone;  // replicated over tp > 1: how gradient copies combine
-  ParamOwner* block = nullptr;  // the Block owning this parameter's storage, if any
-  // An asynchronous optimizer update still running on this parameter (see pending_update.h, the only code that
-  // touches it, under its lock).
-  std::shared_ptr<PendingUpdate> pending_update;
-
-  bool is_tp_split() const { return tp_split_dim >= 0 && tp_size > 1; }
-  // full_shape with the split dimension multiplied back by tp_size.
-  std::vector<int64_t> logical_shape() const;
-};
 
 // Creates a sharded parameter of `full_shape` on the configured device (only the shard is allocated).
 // Default communicator: config().tp_zero_comm (= the stage's zero_comm when tp_size == 1); with tp_size > 1 the
@@ -124,13 +69,6 @@ void adopt_distributed_parameter(const at::Tensor& target, const at::Tensor& cre
 // the whole world (BMTrain's Python builds every layer on every rank) into its own data-parallel group.
 void reshard_distributed_parameter(const at::Tensor& param, std::shared_ptr<core::Communicator> comm);
 
-bool is_distributed_param(const at::Tensor& param);
-// Throws when `param` is not a DistributedParameter.
-ParamMeta& meta_of(const at::Tensor& param);
-ParamMeta* find_meta(const at::Tensor& param);
-// True when a Block owns the parameter's storage (false for plain tensors and standalone DistributedParameters).
-bool in_block(const at::Tensor& param);
-
 // Differentiable: the full tensor (full_shape). If the parameter is currently gathered by its Block, returns it
 // as is; otherwise all-gathers it once (call once per forward and reuse the result). The backward
 // reduce-scatters the gradient (fp32 for half dtypes) into the parameter's main_grad shard.
@@ -152,8 +90,6 @@ at::Tensor piece_of_logical(const ParamMeta& m, const at::Tensor& logical, int t
 // Internal (Blocks, gathered()): all-reduces a reduced gradient shard over config().tp_comm as `reduce` says, on
 // the tensor's current stream (no-op for kNone or tp_size 1).
 void reduce_over_tp(at::Tensor& grad_shard, TpGradReduce reduce);
-// Ranks of the world holding an identical copy of this parameter's local elements (bmt::replication).
-int replication_of(const ParamMeta& m);
 
 // Initialises every DistributedParameter of `module` that has an init method (named_parameters order): bmt::init's
 // initialisers fill this rank's shard directly from a counter-based stream (seed, name, element index), the same

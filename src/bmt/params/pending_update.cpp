@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "bmt/core/error.h"
-#include "bmt/params/parameter.h"
+#include "bmt/params/param_meta.h"
 
 namespace bmt {
 namespace {

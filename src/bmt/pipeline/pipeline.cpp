@@ -12,7 +12,7 @@
 #include "bmt/core/error.h"
 #include "bmt/runtime/distributed.h"
 #include "bmt/runtime/init.h"
-#include "bmt/params/param_registry.h"
+#include "bmt/params/param_meta.h"
 #include "bmt/runtime/stream_sync.h"
 #include "bmt/pipeline/pipeline_p2p_internal.h"
 

@@ -1,13 +1,13 @@
 // A process-wide on/off switch whose default comes from an environment variable (on unless VAR=0), read on first
 // use and settable from code afterwards (tests, benchmarks): the kernel switches of nn/fused_reductions and
-// nn/fused_linear.
+// nn/fused_linear, and the engine's (engine/block_gradients, engine/recompute_keep).
 #pragma once
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 
-namespace bmt::nn {
+namespace bmt {
 
 class EnvSwitch {
  public:
@@ -28,4 +28,4 @@ class EnvSwitch {
   std::atomic<int> state_{-1};  // -1: not yet read from the environment
 };
 
-}  // namespace bmt::nn
+}  // namespace bmt
