@@ -1,15 +1,11 @@
-// bmtrain._C: Blocks and block lists whose forward function is Python code, the fused cross-entropy, the layer
-// ops of the C++ nn (linear, layer_norm, gelu_mlp, linear_residual, causal_attention) and the tensor-parallel ops.
+// bmtrain._C: Blocks and block lists whose forward function is Python code (engine/block.h, engine/block_list.h)
+// and the tensor-parallel ops.
 #include <pybind11/stl.h>
 
 #include <optional>
 
 #include "bmt/engine/block.h"
 #include "bmt/engine/block_list.h"
-#include "bmt/loss/fused_cross_entropy.h"
-#include "bmt/nn/attention.h"
-#include "bmt/nn/fused_linear.h"
-#include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/tp_ops.h"
 #include "bmt/nn/tp_overlap.h"
 #include "py_support.h"
@@ -26,13 +22,6 @@ BlockForward python_forward(py::object fn) {
     py::object out = ref->get()(inputs, current_call_context_object());
     return out.cast<std::vector<at::Tensor>>();
   };
-}
-
-loss::Reduction parse_reduction(const std::string& r) {
-  if (r == "mean") return loss::Reduction::kMean;
-  if (r == "sum") return loss::Reduction::kSum;
-  if (r == "none") return loss::Reduction::kNone;
-  BMT_ERROR("FusedCrossEntropy: unknown reduction '", r, "': use mean, sum or none");
 }
 
 }  // namespace
@@ -85,57 +74,7 @@ void bind_block(py::module_& m) {
       .def("__len__", &TransformerBlockList::size)
       .def_property_readonly("prefetch_depth", &TransformerBlockList::prefetch_depth);
 
-  py::class_<GradSyncGuard>(m, "GradSyncGuard").def(py::init<>());
-  m.def("grad_sync_enabled", &grad_sync_enabled);
-
-  m.def(
-      "fused_cross_entropy",
-      [](const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, const std::string& reduction,
-         double label_smoothing, bool parallel, bool inplace) {
-        loss::FusedCrossEntropyOptions o;
-        o.ignore_index = ignore_index;
-        o.reduction = parse_reduction(reduction);
-        o.label_smoothing = label_smoothing;
-        o.parallel = parallel;
-        o.inplace = inplace;
-        py::gil_scoped_release release;
-        return loss::fused_cross_entropy(logits, target, o);
-      },
-      py::arg("logits"), py::arg("target"), py::arg("ignore_index") = -100, py::arg("reduction") = "mean",
-      py::arg("label_smoothing") = 0.0, py::arg("parallel") = false, py::arg("inplace") = false);
-  m.def("check_pending_targets", &loss::check_pending_targets);
-
-  // The C++ layers' own ops, so Python's bmt.nn layers get the same kernels (CUDA: our bias / LayerNorm gradient
-  // reductions, the GEMM-epilogue MLP; CPU: torch's ops).
-  py::module_ nn = m.def_submodule("nn", "bmtrain's layer ops (nn/fused_reductions, nn/fused_linear, nn/attention)");
   const auto opt = [](const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); };
-  nn.def(
-      "linear",
-      [opt](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-        return bmt::nn::linear(x, weight, opt(bias));
-      },
-      py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
-  nn.def(
-      "layer_norm",
-      [opt](const at::Tensor& x, int64_t dim, const std::optional<at::Tensor>& weight,
-            const std::optional<at::Tensor>& bias, double eps) {
-        return bmt::nn::layer_norm(x, dim, opt(weight), opt(bias), eps);
-      },
-      py::arg("input"), py::arg("dim"), py::arg("weight") = py::none(), py::arg("bias") = py::none(),
-      py::arg("eps") = 1e-5, py::call_guard<py::gil_scoped_release>());
-  nn.def(
-      "gelu_mlp",
-      [opt](const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
-            const at::Tensor& b_proj, const std::optional<at::Tensor>& residual) {
-        return bmt::nn::gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, opt(residual));
-      },
-      py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
-      py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>());
-  nn.def("linear_residual", &bmt::nn::linear_residual, py::arg("input"), py::arg("weight"), py::arg("bias"),
-         py::arg("residual"), py::call_guard<py::gil_scoped_release>());
-  nn.def("causal_attention", &bmt::nn::causal_attention, py::arg("query"), py::arg("key"), py::arg("value"),
-         py::call_guard<py::gil_scoped_release>());
-
   py::module_ tp = m.def_submodule("tp", "tensor-parallel autograd ops over config()['tp_comm']");
   tp.def("copy_to_tp", &tp::copy_to_tp, py::call_guard<py::gil_scoped_release>());
   tp.def("reduce_from_tp", &tp::reduce_from_tp, py::call_guard<py::gil_scoped_release>());

@@ -1,5 +1,4 @@
-// bmtrain._C: optimizers, OptimManager, LR schedulers and sharded checkpoints.
-#include "bmt/checkpoint/sharded_checkpoint.h"
+// bmtrain._C: optimizers, OptimManager and LR schedulers.
 #include "bmt/optim/adam.h"
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/lr_scheduler.h"
@@ -71,21 +70,6 @@ void set_option(AdamOptions& o, const std::string& key, py::handle value) {
   } else if (key == "eps") o.eps(value.cast<double>());
   else if (key == "weight_decay") o.weight_decay(value.cast<double>());
   else if (key == "hold_steps") o.hold_steps(value.cast<int64_t>());
-}
-
-checkpoint::TrainingState training_state(torch::nn::Module& holder, const py::list& components, int64_t step) {
-  checkpoint::TrainingState st;
-  st.model = &holder;
-  st.step = step;
-  for (py::handle c : components) {
-    auto name = c[py::int_(0)].cast<std::string>();
-    py::handle obj = c[py::int_(1)];
-    if (py::isinstance<OptimManager>(obj)) st.add(name, obj.cast<OptimManager&>());
-    else if (py::isinstance<BmtOptimizer>(obj)) st.add(name, obj.cast<BmtOptimizer&>());
-    else if (py::isinstance<lrs::WarmupLRScheduler>(obj)) st.add(name, obj.cast<lrs::WarmupLRScheduler&>());
-    else BMT_ERROR("checkpoint: component '", name, "' is not an OptimManager, optimizer or LR scheduler");
-  }
-  return st;
 }
 
 }  // namespace
@@ -225,63 +209,6 @@ void bind_optim(py::module_& m) {
            }),
            py::arg("optimizer"), py::arg("start_lr"), py::arg("warmup_iter"), py::arg("end_iter"),
            py::arg("num_iter") = 0, py::arg("gamma") = 0.95);
-
-  py::class_<checkpoint::SaveHandle>(m, "SaveHandle")
-      .def("wait",
-           [](checkpoint::SaveHandle& h) {
-             checkpoint::SaveStats s;
-             {
-               py::gil_scoped_release release;
-               s = h.wait();
-             }
-             py::dict d;
-             d["stall_s"] = s.stall_s;
-             d["write_s"] = s.write_s;
-             d["total_s"] = s.total_s;
-             d["rank_nbytes"] = s.rank_nbytes;
-             d["total_nbytes"] = s.total_nbytes;
-             d["dir"] = s.dir;
-             return d;
-           })
-      .def("done", &checkpoint::SaveHandle::done)
-      .def("stall_s", &checkpoint::SaveHandle::stall_s);
-  m.def(
-      "checkpoint_save",
-      [](const std::string& dir, torch::nn::Module& holder, const py::list& components, int64_t step, bool async,
-         const std::map<std::string, std::string>& metadata) {
-        checkpoint::TrainingState st = training_state(holder, components, step);
-        st.user_metadata = metadata;
-        checkpoint::SaveOptions o;
-        o.async = async;
-        py::gil_scoped_release release;
-        return checkpoint::save(dir, st, o);
-      },
-      py::arg("dir"), py::arg("holder"), py::arg("components"), py::arg("step") = 0, py::arg("async_save") = false,
-      py::arg("metadata") = std::map<std::string, std::string>{});
-  m.def("checkpoint_wait_pending_save", &checkpoint::wait_pending_save, py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "checkpoint_load",
-      [](const std::string& dir, torch::nn::Module& holder, const py::list& components, bool strict, bool rng) {
-        checkpoint::TrainingState st = training_state(holder, components, 0);
-        checkpoint::LoadOptions o;
-        o.strict = strict;
-        o.rng = rng;
-        checkpoint::LoadInfo info;
-        {
-          py::gil_scoped_release release;
-          info = checkpoint::load(dir, st, o);
-        }
-        py::dict d;
-        d["path"] = info.path;
-        d["step"] = info.step;
-        d["saved_world_size"] = info.saved_world_size;
-        d["metadata"] = info.user_metadata;
-        d["missing_keys"] = info.missing_keys;
-        d["unexpected_keys"] = info.unexpected_keys;
-        d["rng_restored"] = info.rng_restored;
-        return d;
-      },
-      py::arg("dir"), py::arg("holder"), py::arg("components"), py::arg("strict") = true, py::arg("rng") = true);
 }
 
 }  // namespace bmt::python

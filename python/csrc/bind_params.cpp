@@ -1,7 +1,5 @@
 // bmtrain._C: DistributedParameter records, gathering and scattering, and the module-level functions
-// (init_parameters, state_dict, load_state_dict, consolidated save/load) over a holder of a Python model's tensors.
-#include "bmt/checkpoint/consolidated.h"
-#include "bmt/checkpoint/hf_dir.h"
+// (init_parameters, state_dict, load_state_dict) over a holder of a Python model's tensors.
 #include "bmt/runtime/init.h"
 #include "bmt/params/param_init.h"
 #include "bmt/params/param_meta.h"
@@ -139,36 +137,6 @@ void bind_params(py::module_& m) {
         return std::make_pair(r.missing_keys, r.unexpected_keys);
       },
       py::arg("holder"), py::arg("state"), py::arg("strict") = true, py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "save_consolidated",
-      [](torch::nn::Module& holder, const std::string& path) {
-        ConsolidatedStats s = save(holder, path);
-        return s.file_nbytes;
-      },
-      py::arg("holder"), py::arg("path"), py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "load_consolidated",
-      [](torch::nn::Module& holder, const std::string& path, bool strict) {
-        LoadResult r = load(holder, path, strict);
-        return std::make_pair(r.missing_keys, r.unexpected_keys);
-      },
-      py::arg("holder"), py::arg("path"), py::arg("strict") = true, py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "load_hf_safetensors",
-      [](torch::nn::Module& holder, const std::string& dir,
-         const std::map<std::string, std::pair<std::string, bool>>& name_map, bool strict,
-         const std::vector<std::string>& ignore) {
-        checkpoint::HfNameMap map;
-        for (const auto& [ours, src] : name_map) map[ours] = checkpoint::HfSource{src.first, src.second, false};
-        checkpoint::HfLoadOptions options;
-        options.strict = strict;
-        options.ignore.insert(ignore.begin(), ignore.end());
-        checkpoint::HfLoadStats stats;
-        LoadResult r = checkpoint::load_hf_safetensors(holder, dir, map, options, &stats);
-        return std::make_tuple(r.missing_keys, r.unexpected_keys, stats.bytes_copied);
-      },
-      py::arg("holder"), py::arg("dir"), py::arg("name_map"), py::arg("strict") = true,
-      py::arg("ignore") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace bmt::python

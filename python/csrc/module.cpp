@@ -6,7 +6,11 @@ PYBIND11_MODULE(_C, m) {
   bmt::python::bind_init(m);
   bmt::python::bind_params(m);
   bmt::python::bind_block(m);
+  bmt::python::bind_grad_sync(m);
+  bmt::python::bind_nn(m);
+  bmt::python::bind_loss(m);
   bmt::python::bind_optim(m);
+  bmt::python::bind_checkpoint(m);
   bmt::python::bind_inspect(m);
   bmt::python::bind_estimate(m);
   bmt::python::bind_pipeline(m);

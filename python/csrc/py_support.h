@@ -51,7 +51,11 @@ std::shared_ptr<torch::nn::Module> make_holder(const NamedTensors& params, const
 void bind_init(py::module_& m);
 void bind_params(py::module_& m);
 void bind_block(py::module_& m);
+void bind_grad_sync(py::module_& m);
+void bind_nn(py::module_& m);
+void bind_loss(py::module_& m);
 void bind_optim(py::module_& m);
+void bind_checkpoint(py::module_& m);
 void bind_inspect(py::module_& m);
 void bind_estimate(py::module_& m);
 void bind_pipeline(py::module_& m);
