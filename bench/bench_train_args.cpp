@@ -126,18 +126,9 @@ Args parse_args(int argc, char** argv) {
 
 Shape resolve_shape(const Args& a) {
   Shape s;
-  if (a.preset == "gpt-6.7b") {
-    s.model.num_layers = 32;
-    s.model.dim = 4096;
-    s.model.num_heads = 32;
-    s.model.ffn_dim = 16384;
-    s.model.max_seq_len = 2048;
-    s.default_batch = 2;
-  } else {
-    const examples::Preset& p = examples::find_preset(a.preset);  // throws listing the known names
-    s.model = p.model;
-    s.default_batch = p.train.batch_per_rank;
-  }
+  const examples::Preset& p = examples::find_preset(a.preset);  // throws listing the known names
+  s.model = p.model;
+  s.default_batch = p.train.batch_per_rank;
   s.model.arch = !a.arch.empty() ? a.arch : (a.preset.rfind("llama", 0) == 0 ? "llama" : "gpt");
   s.model.vocab_size = kVocab;
   if (a.seq > 0) s.model.max_seq_len = a.seq;

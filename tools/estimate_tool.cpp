@@ -8,6 +8,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/runtime/estimate_memory.h"
+#include "models/preset_shapes.h"
 
 namespace {
 
@@ -66,7 +67,7 @@ int main(int argc, char** argv) {
         std::cout << kHelp;
         return 0;
       } else if (a == "--preset") {
-        m = bmt::model_shape_preset(next());
+        m = examples::preset_shape(next());
         have_model = true;
       } else if (a == "--arch") m.arch = next();
       else if (a == "--layers") m.layers = to_int(a, next()), have_model = true;

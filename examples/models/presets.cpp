@@ -1,17 +1,20 @@
 #include "models/presets.h"
 
 #include "bmt/core/error.h"
+#include "models/preset_shapes.h"
 
 namespace examples {
 namespace {
 
-ModelConfig shape(int64_t layers, int64_t dim, int64_t heads, int64_t ffn, int64_t seq) {
+// The sizes come from the one table (preset_shapes.cpp); the trainer sets arch and vocab_size.
+ModelConfig shape(const std::string& name) {
+  const bmt::ModelShape s = preset_shape(name);
   ModelConfig c;
-  c.num_layers = layers;
-  c.dim = dim;
-  c.num_heads = heads;
-  c.ffn_dim = ffn;
-  c.max_seq_len = seq;
+  c.num_layers = s.layers;
+  c.dim = s.hidden;
+  c.num_heads = s.heads;
+  c.ffn_dim = s.ffn;
+  c.max_seq_len = s.max_seq;
   return c;
 }
 
@@ -20,10 +23,12 @@ const std::vector<Preset>& all_presets() {
       // tiny: tuned so that `bmtrun --nproc 2 train_gpt` learns the embedded arithmetic task in ~2 minutes. The
       // batch is global (64 sequences whatever the world size): at 32 sequences per step the GPT can stay on the
       // "operands only" plateau (loss ~1.40, accuracy ~0) for the whole run.
-      {"tiny", shape(2, 64, 4, 256, 64), TrainDefaults{1500, 32, 64, 2e-3, 50, 100}},
-      {"gpt2-124m", shape(12, 768, 12, 3072, 1024), TrainDefaults{5000, 16, 0, 6e-4, 200, 250}},
-      {"gpt-1.3b", shape(24, 2048, 16, 8192, 2048), TrainDefaults{5000, 8, 0, 2e-4, 200, 250}},
-      {"llama-7b", shape(32, 4096, 32, 11008, 2048), TrainDefaults{5000, 2, 0, 1.5e-4, 200, 250}},
+      {"tiny", shape("tiny"), TrainDefaults{1500, 32, 64, 2e-3, 50, 100}},
+      {"gpt2-124m", shape("gpt2-124m"), TrainDefaults{5000, 16, 0, 6e-4, 200, 250}},
+      {"gpt-1.3b", shape("gpt-1.3b"), TrainDefaults{5000, 8, 0, 2e-4, 200, 250}},
+      // gpt-6.7b: the benchmark's largest model (bmt-bench-train; GPT-3 6.7B's shape and peak learning rate).
+      {"gpt-6.7b", shape("gpt-6.7b"), TrainDefaults{5000, 2, 0, 1.2e-4, 200, 250}},
+      {"llama-7b", shape("llama-7b"), TrainDefaults{5000, 2, 0, 1.5e-4, 200, 250}},
   };
   return presets;
 }

@@ -1,10 +1,5 @@
-// Named model shapes and their training defaults.
-//
-//   tiny        L2  d64   h4  ff256   seq 64    trains in ~minutes on 2 CPU cores (vocab from the data)
-//   gpt2-124m   L12 d768  h12 ff3072  seq 1024
-//   gpt-1.3b    L24 d2048 h16 ff8192  seq 2048
-//   llama-7b    L32 d4096 h32 ff11008 seq 2048
-// Vocabulary 50304 unless the data says otherwise. The shapes are architecture-neutral: `--model llama` with
+// Named model shapes (preset_shapes.h: tiny, gpt2-124m, gpt-1.3b, gpt-6.7b, llama-7b) and their training defaults.
+// tiny trains in ~minutes on 2 CPU cores (vocab from the data). Vocabulary 50304 unless the data says otherwise. The shapes are architecture-neutral: `--model llama` with
 // `tiny` keeps the sizes (llama presets get num_kv_heads = num_heads unless overridden).
 #pragma once
 

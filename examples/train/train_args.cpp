@@ -10,13 +10,13 @@ namespace examples {
 
 std::string train_usage() {
   return R"(usage: bmtrun --nproc N train_gpt [options]
-  --preset P          tiny | gpt2-124m | gpt-1.3b | llama-7b (default tiny)
+  --preset P          tiny | gpt2-124m | gpt-1.3b | gpt-6.7b | llama-7b (default tiny)
   --model M           gpt | llama (default gpt); --kv-heads K for grouped-query llama
   --data PATH         text file (byte-level) or uint16 .bin tokens (llm.c or nanoGPT layout);
                       default: embedded synthetic 2-digit addition with task accuracy
   --data-format F     auto | synthetic | text | bin | llm.c | nanoGPT
   --steps S --batch B --seq T --lr LR --warmup W   (B: sequences per data-parallel rank per step; default
-                      from the preset: tiny 64 over all, gpt2-124m 16, gpt-1.3b 8, llama-7b 2 per rank)
+                      from the preset: tiny 64 over all, gpt2-124m 16, gpt-1.3b 8, gpt-6.7b and llama-7b 2)
   --stop-at S         end this run after step S (schedule still spans --steps; resume later with --resume)
   --weight-decay WD --grad-clip C                  (default 0.1, 1.0)
   --zero 2|3          ZeRO level of every transformer block (default 3)

@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "bmt/runtime/estimate_memory.h"
+#include "models/preset_shapes.h"  // examples/models: the presets' one table
 #include "py_support.h"
 
 namespace bmt::python {
@@ -22,7 +23,7 @@ py::dict split_dict(const MemoryEstimate::Split& s) {
 }  // namespace
 
 void bind_estimate(py::module_& m) {
-  m.def("model_shape_preset_names", &model_shape_preset_names);
+  m.def("model_shape_preset_names", &examples::preset_shape_names);
   m.def("estimate_memory",
         [](const py::object& preset, const std::string& arch, int64_t layers, int64_t hidden, int64_t heads,
            int64_t ffn, int64_t kv_heads, int64_t vocab, int64_t max_seq, int world, int ranks_per_host, int tp,
@@ -30,7 +31,7 @@ void bind_estimate(py::module_& m) {
            bool step_in_backward, int64_t batch, int64_t seq, const std::string& dtype) {
           ModelShape s;
           if (!preset.is_none()) {
-            s = model_shape_preset(preset.cast<std::string>());
+            s = examples::preset_shape(preset.cast<std::string>());
           } else {
             s.arch = arch;
             s.layers = layers;

@@ -25,6 +25,7 @@
 #include "bmt/checkpoint/json_internal.h"
 #include "bmt/core/error.h"
 #include "bmt/runtime/estimate_memory.h"
+#include "models/preset_shapes.h"
 
 namespace {
 
@@ -93,7 +94,7 @@ TEST(EstimateMemory, MatchesEveryMeasuredPeakOfTheCurrentEngine) {
   for (const Row& r : rows) {
     if (r.framework != "bmtrain" && r.framework != "bmt-python") continue;
     if (superseded(r)) continue;
-    bmt::ModelShape m = bmt::model_shape_preset(r.preset);
+    bmt::ModelShape m = examples::preset_shape(r.preset);
     bmt::MemoryPlan p;
     p.world = static_cast<int>(num(r.j, "world", 1));
     p.tp = static_cast<int>(num(r.j, "tp", 1));
@@ -127,16 +128,16 @@ TEST(EstimateMemory, MatchesEveryMeasuredPeakOfTheCurrentEngine) {
 
 TEST(EstimateMemory, ParameterCountsOfThePresets) {
   // The bench rows' "params" (the examples' models) and closed forms.
-  EXPECT_EQ(bmt::model_shape_preset("gpt2-124m").params(), 124475904);
-  EXPECT_EQ(bmt::model_shape_preset("gpt-1.3b").params(), 1315819520);
-  EXPECT_EQ(bmt::model_shape_preset("llama-7b").params(), 6888361984);
+  EXPECT_EQ(examples::preset_shape("gpt2-124m").params(), 124475904);
+  EXPECT_EQ(examples::preset_shape("gpt-1.3b").params(), 1315819520);
+  EXPECT_EQ(examples::preset_shape("llama-7b").params(), 6888361984);
   const int64_t d = 4096, ff = 16384, V = 50304;
-  EXPECT_EQ(bmt::model_shape_preset("gpt-6.7b").params(),
+  EXPECT_EQ(examples::preset_shape("gpt-6.7b").params(),
             V * d + 2048 * d + 32 * (4 * d * d + 2 * d * ff + 9 * d + ff) + 2 * d);
 }
 
 TEST(EstimateMemory, ShardingAndOptionsScaleAsTheyShould) {
-  const auto m = bmt::model_shape_preset("gpt-1.3b");
+  const auto m = examples::preset_shape("gpt-1.3b");
   bmt::MemoryPlan p;
   p.batch = 2;
   p.seq = 1024;

@@ -1,13 +1,15 @@
-// bmt::model_shape_preset (the estimator's shape-only copies of the presets) agrees with examples/models/presets.cpp.
+// examples::preset_shape (what bmt-estimate and bmt.estimate_memory hand the estimator) agrees with the training
+// presets (examples/models/presets.cpp), and every training preset has a shape.
 #include <gtest/gtest.h>
 
 #include "bmt/runtime/estimate_memory.h"
+#include "models/preset_shapes.h"
 #include "models/presets.h"
 
 TEST(EstimatePresets, ShapesEqualTheExamplesPresets) {
   for (const std::string& name : examples::preset_names()) {
     const examples::ModelConfig& c = examples::find_preset(name).model;
-    const bmt::ModelShape s = bmt::model_shape_preset(name);
+    const bmt::ModelShape s = examples::preset_shape(name);
     EXPECT_EQ(s.layers, c.num_layers) << name;
     EXPECT_EQ(s.hidden, c.dim) << name;
     EXPECT_EQ(s.heads, c.num_heads) << name;

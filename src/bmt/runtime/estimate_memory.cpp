@@ -14,17 +14,6 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // the data loader): measured 1.2-1.4 GiB in every bench/results row without offload.
 constexpr double kRuntimeHostBytes = 1.3 * kGiB;
 
-ModelShape shape(const char* arch, int64_t layers, int64_t hidden, int64_t heads, int64_t ffn, int64_t seq) {
-  ModelShape m;
-  m.arch = arch;
-  m.layers = layers;
-  m.hidden = hidden;
-  m.heads = heads;
-  m.ffn = ffn;
-  m.max_seq = seq;
-  return m;
-}
-
 int64_t kv_dim(const ModelShape& m) { return (m.kv_heads > 0 ? m.kv_heads : m.heads) * (m.hidden / m.heads); }
 
 // Parameters of one layer split over tp (their per-rank share is 1/tp) and replicated over tp (norms, some biases).
@@ -91,20 +80,6 @@ int64_t ModelShape::other_params() const {
   LayerParams p = other_params_of(*this);
   return p.split + p.replicated;
 }
-
-ModelShape model_shape_preset(const std::string& name) {
-  if (name == "tiny") return shape("gpt", 2, 64, 4, 256, 64);
-  if (name == "gpt2-124m") return shape("gpt", 12, 768, 12, 3072, 1024);
-  if (name == "gpt-1.3b") return shape("gpt", 24, 2048, 16, 8192, 2048);
-  if (name == "gpt-6.7b") return shape("gpt", 32, 4096, 32, 16384, 2048);
-  if (name == "llama-7b") return shape("llama", 32, 4096, 32, 11008, 2048);
-  std::string known;
-  for (const auto& n : model_shape_preset_names()) known += (known.empty() ? "" : ", ") + n;
-  BMT_ERROR("estimate_memory: unknown preset '", name, "' (known: ", known,
-            "); or describe the model by its shape (layers, hidden, heads, ffn, vocab)");
-}
-
-std::vector<std::string> model_shape_preset_names() { return {"tiny", "gpt2-124m", "gpt-1.3b", "gpt-6.7b", "llama-7b"}; }
 
 MemoryEstimate estimate_memory(const ModelShape& m, const MemoryPlan& plan) {
   BMT_CHECK(m.arch == "gpt" || m.arch == "llama", "estimate_memory: arch '", m.arch, "' is not gpt or llama");

@@ -14,7 +14,7 @@
 
 namespace bmt {
 
-// The shape of a decoder-only transformer (the examples' GPT or Llama).
+// The shape of a decoder-only transformer (the examples' GPT or Llama; their presets: examples/models/preset_shapes.h).
 struct ModelShape {
   std::string arch = "gpt";  // "gpt" (learned positions, LayerNorm, GELU MLP, tied head) or "llama" (RMSNorm,
                              // RoPE, SwiGLU, separate head)
@@ -27,11 +27,6 @@ struct ModelShape {
   int64_t other_params() const;
   int64_t params() const { return layers * layer_params() + other_params(); }
 };
-
-// Shape-only descriptions of the examples' presets (examples/models/presets.cpp; tests/examples checks that they
-// agree) plus gpt-6.7b: tiny, gpt2-124m, gpt-1.3b, gpt-6.7b, llama-7b. Throws naming the known ones.
-ModelShape model_shape_preset(const std::string& name);
-std::vector<std::string> model_shape_preset_names();
 
 struct MemoryPlan {
   int world = 1;                 // ranks in total
