@@ -11,6 +11,10 @@ start=$(date +%s)
 bash scripts/build.sh cpu
 echo "[test] CPU build done in $(( $(date +%s) - start )) s"
 ( cd build && ctest --output-on-failure -j2 -L 'cpu|multirank' --timeout 900 )
+# The installed package: headers, libbmtrain and find_package(bmtrain), through a consumer (tests/package/).
+start=$(date +%s)
+bash scripts/check_package.sh
+echo "[test] package check done in $(( $(date +%s) - start )) s"
 # The Python package: installed from the build above (nothing recompiles), then its tests on CPU ranks (torchrun,
 # Gloo) against the installed copy.
 start=$(date +%s)

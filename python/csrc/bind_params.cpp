@@ -4,7 +4,7 @@
 #include "bmt/params/param_init.h"
 #include "bmt/params/param_meta.h"
 #include "bmt/params/parameter.h"
-#include "bmt/state_dict.h"
+#include "bmt/params/module_state.h"
 #include "py_support.h"
 
 namespace bmt::python {

@@ -32,7 +32,7 @@
 #include "bmt/optim/optim_manager.h"
 #include "bmt/params/param_meta.h"
 #include "bmt/params/pending_update.h"
-#include "bmt/state_dict.h"
+#include "bmt/params/module_state.h"
 #include "bmt/runtime/stream_sync.h"
 #include "ckpt_test_util.h"
 #include "collective_dtypes.h"

@@ -10,7 +10,7 @@
 #include "bmt/runtime/memory_stats.h"
 #include "bmt/nn/layers.h"
 #include "bmt/params/param_meta.h"
-#include "bmt/state_dict.h"
+#include "bmt/params/module_state.h"
 #include "full_grad.h"
 #include "run_ranks.h"
 #include "tiny_model.h"

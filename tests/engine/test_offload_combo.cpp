@@ -12,7 +12,7 @@
 #include "bmt/optim/adam_offload.h"
 #include "bmt/optim/optim_manager.h"
 #include "bmt/params/pending_update.h"
-#include "bmt/state_dict.h"
+#include "bmt/params/module_state.h"
 #include "run_ranks.h"
 #include "tiny_model.h"
 

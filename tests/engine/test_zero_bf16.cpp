@@ -20,7 +20,7 @@
 
 #include "bmt/runtime/distributed.h"
 #include "bmt/params/param_meta.h"
-#include "bmt/state_dict.h"
+#include "bmt/params/module_state.h"
 #include "full_grad.h"
 #include "run_ranks.h"
 #include "tiny_model.h"

@@ -4,7 +4,7 @@
 // (the same batch on every rank: ZeRO sums the ranks' gradients, so they are world times the reference's).
 #include <gtest/gtest.h>
 
-#include "bmt/state_dict.h"
+#include "bmt/params/module_state.h"
 #include "full_grad.h"
 #include "llama_reference.h"
 #include "models/llama.h"

@@ -1,6 +1,6 @@
 // ShardedStateProvider: how optimizer-like components take part in sharded checkpoints (with resharding).
 //
-// A provider exposes its state as an optim::StateDict (bmt/optim/state_dict.h) following the convention of
+// A provider exposes its state as an optim::StateDict (bmt/optim/flat_state_dict.h) following the convention of
 // bmtrain's optimizers, plus "parameter spaces" telling which parameters its indices refer to. For each space
 // (prefix P, parameters params[0..n)):
 //   P + "state.<i>.<name>"  a tensor with the LOCAL shape of params[i] (e.g. exp_avg, exp_avg_sq, master) is a
