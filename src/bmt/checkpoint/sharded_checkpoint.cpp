@@ -151,7 +151,7 @@ SaveHandle save(const std::string& dir_in, const TrainingState& state, const Sav
       slices.insert(slices.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
     }
     if (state.rng) {
-      auto s = rng_slices(rank);
+      auto s = rng_slices(rank, cfg.tp_size);
       slices.insert(slices.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
     }
   });

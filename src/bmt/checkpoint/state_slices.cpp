@@ -111,14 +111,14 @@ int cuda_device_count() {
   return hooks.hasCUDA() ? static_cast<int>(hooks.deviceCount()) : 0;
 }
 
-LocalSlice rng_slice(int rank, const std::string& device, at::Tensor state) {
+LocalSlice rng_slice(int rank, int tp_size, const std::string& device, at::Tensor state) {
   LocalSlice s;
   s.data = state.contiguous().view({-1});
   s.decl.key = "rng/" + std::to_string(rank) + "/" + device;
   s.decl.dtype = "U8";
   s.decl.shape = {s.data.numel()};
   s.decl.attrs = {{"role", "rng"}, {"rank", std::to_string(rank)}, {"device", device}};
-  if (is_initialized() && config().tp_size > 1) s.decl.attrs["tp_size"] = std::to_string(config().tp_size);
+  if (tp_size > 1) s.decl.attrs["tp_size"] = std::to_string(tp_size);
   s.decl.begin = 0;
   s.decl.end = s.data.numel();
   return s;
@@ -126,17 +126,17 @@ LocalSlice rng_slice(int rank, const std::string& device, at::Tensor state) {
 
 }  // namespace
 
-std::vector<LocalSlice> rng_slices(int rank) {
+std::vector<LocalSlice> rng_slices(int rank, int tp_size) {
   std::vector<LocalSlice> out;
   {
     at::Generator gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    out.push_back(rng_slice(rank, "cpu", gen.get_state()));
+    out.push_back(rng_slice(rank, tp_size, "cpu", gen.get_state()));
   }
   for (int i = 0; i < cuda_device_count(); ++i) {
     at::Generator gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
     std::lock_guard<std::mutex> lock(gen.mutex());
-    out.push_back(rng_slice(rank, "cuda:" + std::to_string(i), gen.get_state()));
+    out.push_back(rng_slice(rank, tp_size, "cuda:" + std::to_string(i), gen.get_state()));
   }
   return out;
 }

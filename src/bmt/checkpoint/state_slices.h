@@ -78,7 +78,8 @@ std::string entry_mismatch(const EntryMeta& e, const std::string& dtype, const P
 std::vector<LocalSlice> model_slices(torch::nn::Module& model, const std::string& prefix = "model/");
 std::vector<LoadTarget> model_targets(torch::nn::Module& model, const std::string& prefix = "model/");
 
-std::vector<LocalSlice> rng_slices(int rank);
+// The generators of this process as slices of `rank` (their attributes record tp_size when it is > 1).
+std::vector<LocalSlice> rng_slices(int rank, int tp_size);
 // Restores the generators of `rank` from entries read by `read_entry(key)` (undefined tensor when absent).
 // Returns the number of generators restored.
 int restore_rng(int rank, const std::function<at::Tensor(const std::string&)>& read_entry);

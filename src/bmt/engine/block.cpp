@@ -241,7 +241,7 @@ void Block::build_storage() {
       grad_shard_of(gi).zero_();  // no gradient accumulated yet
       group.grad_fresh = false;
     });
-    set_replication(s->param, replication_of(m));
+    set_replication(s->param, replication_of(m, config().zero_size));
   }
   point_at_shard();
   memory::add_shard_bytes(shard_nbytes());

@@ -97,9 +97,8 @@ std::vector<int64_t> ParamMeta::logical_shape() const {
   return s;
 }
 
-int replication_of(const ParamMeta& m) {
-  const Config& cfg = config();
-  const int stage_copies = std::max(1, cfg.zero_size / m.comm->size());
+int replication_of(const ParamMeta& m, int stage_zero_size) {
+  const int stage_copies = std::max(1, stage_zero_size / m.comm->size());
   return m.is_tp_split() ? std::max(1, stage_copies / m.tp_size) : stage_copies;
 }
 

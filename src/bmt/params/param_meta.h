@@ -68,7 +68,7 @@ struct ParamMeta {
   // The split dim is tp_split_groups equal blocks (e.g. a fused Q/K/V projection: 3), each cut into tp_size
   // slices; the piece of tp rank r is slice r of every block, in block order (1: one contiguous piece per rank).
   int64_t tp_split_groups = 1;
-  int tp_size = 1;        // number of pieces (config().tp_size for split parameters, else 1)
+  int tp_size = 1;        // number of pieces (Config::tp_size for split parameters, else 1)
   int tp_rank = 0;        // the piece held here
   TpGradReduce tp_grad_reduce = TpGradReduce::kNone;  // replicated over tp > 1: how gradient copies combine
   ParamOwner* block = nullptr;  // the Block owning this parameter's storage, if any
@@ -87,8 +87,9 @@ ParamMeta& meta_of(const at::Tensor& param);
 ParamMeta* find_meta(const at::Tensor& param);
 // True when a Block owns the parameter's storage (false for plain tensors and standalone DistributedParameters).
 bool in_block(const at::Tensor& param);
-// Ranks of the world holding an identical copy of this parameter's local elements (bmt::replication).
-int replication_of(const ParamMeta& m);
+// Ranks of the world holding an identical copy of this parameter's local elements (bmt::replication), given the
+// size of the pipeline stage's ZeRO group (Config::zero_size) the parameter lives in.
+int replication_of(const ParamMeta& m, int stage_zero_size);
 
 void set_main_grad(const at::Tensor& param, const at::Tensor& grad);
 // The gradient to use for `param` (may be undefined when nothing was accumulated).

@@ -89,7 +89,7 @@ at::Tensor DistributedParameter(at::IntArrayRef full_shape, at::ScalarType dtype
   if (cfg.tp_size > 1 && m->comm->size() * cfg.tp_size <= cfg.zero_size)
     m->tp_grad_reduce = cfg.sequence_parallel ? TpGradReduce::kSum : TpGradReduce::kAvg;
   at::Tensor t = make_shard(*m, requires_grad);
-  set_replication(t, replication_of(*m));
+  set_replication(t, replication_of(*m, cfg.zero_size));
   register_meta(t, std::move(m));
   return t;
 }
@@ -119,7 +119,7 @@ at::Tensor TensorParallelParameter(at::IntArrayRef logical_shape, int split_dim,
   m.tp_size = cfg.tp_size;
   m.tp_rank = cfg.tp_rank;
   m.tp_grad_reduce = TpGradReduce::kNone;
-  set_replication(t, replication_of(m));
+  set_replication(t, replication_of(m, cfg.zero_size));
   return t;
 }
 
@@ -151,7 +151,7 @@ void adopt_distributed_parameter(const at::Tensor& target, const at::Tensor& cre
   std::shared_ptr<ParamMeta> meta = take_meta(created);
   target.set_data(created);  // the target's own TensorImpl now holds the shard
   register_meta(target, meta);
-  set_replication(target, replication_of(*meta));
+  set_replication(target, replication_of(*meta, config().zero_size));
 }
 
 void reshard_distributed_parameter(const at::Tensor& param, std::shared_ptr<core::Communicator> comm) {
@@ -173,7 +173,7 @@ void reshard_distributed_parameter(const at::Tensor& param, std::shared_ptr<core
   param.set_data(created);
   param.set_requires_grad(requires_grad);
   register_meta(param, meta);
-  set_replication(param, replication_of(*meta));
+  set_replication(param, replication_of(*meta, config().zero_size));
 }
 
 at::Tensor gathered(const at::Tensor& param) {

@@ -26,11 +26,11 @@ namespace {
 // Sums compute intervals: CUDA events on the current stream (read once at the end), else the host clock.
 class BusyTimer {
  public:
-  explicit BusyTimer(bool on) : on_(on) {}
+  BusyTimer(bool on, const c10::Device& device) : on_(on), cuda_(device.is_cuda()) {}
   void start() {
     if (!on_) return;
 #ifdef BMT_WITH_CUDA
-    if (config().device.is_cuda()) {
+    if (cuda_) {
       events_.emplace_back(std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault),
                            std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault));
       events_.back().first->record();
@@ -42,7 +42,7 @@ class BusyTimer {
   void stop() {
     if (!on_) return;
 #ifdef BMT_WITH_CUDA
-    if (config().device.is_cuda()) {
+    if (cuda_) {
       events_.back().second->record();
       return;
     }
@@ -62,6 +62,7 @@ class BusyTimer {
 
  private:
   bool on_;
+  bool cuda_;  // events on the compute stream (else the host clock)
   double host_s_ = 0;
   std::chrono::steady_clock::time_point t0_;
 #ifdef BMT_WITH_CUDA
@@ -92,6 +93,7 @@ void PipelineTransformerBlockList::setup(int64_t num_layers) {
   const Config& cfg = config();
   stages_ = cfg.pipe_size;
   stage_ = cfg.pipe_rank;
+  link_ = std::make_shared<const detail::PipeLink>(detail::PipeLink{cfg.pipe_comm, cfg.pp_comm_stream, cfg.device});
   num_layers_ = num_layers;
   BMT_CHECK(num_layers >= 0, "PipelineTransformerBlockList: negative layer count ", num_layers);
   BMT_CHECK(options_.num_hidden >= 1, "PipelineTransformerBlockList: num_hidden ", options_.num_hidden,
@@ -170,18 +172,18 @@ int PipelineTransformerBlockList::get_stage_by_layer_id(int64_t layer) const {
 }
 
 at::Tensor PipelineTransformerBlockList::broadcast_loss(at::Tensor mean_loss) {
-  const Config& cfg = config();
-  at::Tensor t = is_last_stage() ? mean_loss.detach().to(at::kFloat).reshape({}).to(cfg.device).contiguous()
-                                 : at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(cfg.device));
+  const detail::PipeLink& link = *link_;
+  at::Tensor t = is_last_stage() ? mean_loss.detach().to(at::kFloat).reshape({}).to(link.device).contiguous()
+                                 : at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(link.device));
   // On the comm stream, like every other operation on pipe_comm: NCCL kernels of one communicator must not run
   // on two streams in an order that may differ between ranks.
-  const std::optional<c10::Stream> calc = calc_stream(), pp = cfg.pp_comm_stream;
+  const std::optional<c10::Stream> calc = calc_stream(), pp = link.stream;
   stream_wait(pp, calc);
   at::Tensor out;
   {
     std::optional<c10::StreamGuard> guard;
     if (pp) guard.emplace(*pp);
-    out = distributed::raw_broadcast(t, stages_ - 1, *cfg.pipe_comm);
+    out = distributed::raw_broadcast(t, stages_ - 1, *link.comm);
   }
   if (pp) {
     t.record_stream(*pp);
@@ -192,16 +194,15 @@ at::Tensor PipelineTransformerBlockList::broadcast_loss(at::Tensor mean_loss) {
 }
 
 at::Tensor PipelineTransformerBlockList::forward_backward(const Step& step) {
-  const Config& cfg = config();
+  const detail::PipeLink& link = *link_;
   BMT_CHECK(!is_first_stage() || step.first, "PipelineTransformerBlockList::forward_backward: step.first is "
             "needed on the first stage (it makes micro-batch m's hidden states)");
   BMT_CHECK(!is_last_stage() || step.last, "PipelineTransformerBlockList::forward_backward: step.last is needed "
             "on the last stage (it computes micro-batch m's loss)");
   const int M = micro_batches_, H = options_.num_hidden;
   const int prev = stage_ - 1, next = is_last_stage() ? -1 : stage_ + 1;
-  core::Communicator& comm = *cfg.pipe_comm;
   std::map<int, MicroState> live;
-  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(cfg.device));
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(link.device));
   // Gradients are reduced over the data-parallel group once, in the last backward.
   std::optional<GradSyncGuard> defer;
   int backwards_done = 0;
@@ -209,7 +210,7 @@ at::Tensor PipelineTransformerBlockList::forward_backward(const Step& step) {
 
   auto transfer = [&](detail::PipeTransfer& t) {
     const auto t0 = std::chrono::steady_clock::now();
-    auto r = detail::pipe_transfer(comm, t, cfg.device);
+    auto r = detail::pipe_transfer(link, t);
     wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return r;
   };
@@ -245,7 +246,7 @@ at::Tensor PipelineTransformerBlockList::forward_backward(const Step& step) {
     if (is_last_stage()) {
       at::Tensor loss = step.last(m, s.outputs);
       BMT_CHECK(loss.defined() && loss.numel() == 1, "pipeline: step.last must return a scalar loss");
-      loss_sum = loss_sum + loss.detach().to(at::kFloat).reshape({}).to(cfg.device);
+      loss_sum = loss_sum + loss.detach().to(at::kFloat).reshape({}).to(link.device);
       at::Tensor scaled = step.scale_loss ? step.scale_loss(loss) : loss;
       s.loss = scaled / static_cast<double>(M);
       s.outputs.clear();
@@ -272,7 +273,7 @@ at::Tensor PipelineTransformerBlockList::forward_backward(const Step& step) {
     s.loss = at::Tensor();
   };
 
-  BusyTimer busy(measure_busy_);
+  BusyTimer busy(measure_busy_, link.device);
   for (const PipeAction& a : pipe_schedule(options_.schedule, stage_, stages_, M)) {
     detail::PipeTransfer t;
     switch (a.kind) {
@@ -344,11 +345,10 @@ at::Tensor PipelineTransformerBlockList::forward_backward(const Step& step) {
 }
 
 at::Tensor PipelineTransformerBlockList::forward_only(const Step& step) {
-  const Config& cfg = config();
+  const detail::PipeLink& link = *link_;
   at::NoGradGuard no_grad;
   const int M = micro_batches_, H = options_.num_hidden;
-  core::Communicator& comm = *cfg.pipe_comm;
-  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(cfg.device));
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(link.device));
   for (int m = 0; m < M; ++m) {
     std::vector<at::Tensor> h;
     if (is_first_stage()) {
@@ -357,19 +357,19 @@ at::Tensor PipelineTransformerBlockList::forward_only(const Step& step) {
       detail::PipeTransfer t;
       t.recv_acts = H;
       t.act_from = stage_ - 1;
-      h = detail::pipe_transfer(comm, t, cfg.device);
+      h = detail::pipe_transfer(link, t);
     }
     std::vector<at::Tensor> args = h;
     if (step.extra_args)
       for (auto& e : step.extra_args(m)) args.push_back(e);
     std::vector<at::Tensor> out = list_->forward(args, H);
     if (is_last_stage()) {
-      loss_sum = loss_sum + step.last(m, out).detach().to(at::kFloat).reshape({}).to(cfg.device);
+      loss_sum = loss_sum + step.last(m, out).detach().to(at::kFloat).reshape({}).to(link.device);
     } else {
       detail::PipeTransfer t;
       t.send_acts = out;
       t.act_to = stage_ + 1;
-      detail::pipe_transfer(comm, t, cfg.device);
+      detail::pipe_transfer(link, t);
     }
   }
   return broadcast_loss(loss_sum / static_cast<double>(M));

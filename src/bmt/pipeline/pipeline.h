@@ -32,6 +32,9 @@
 #include "bmt/pipeline/pipeline_schedule.h"
 
 namespace bmt {
+namespace detail {
+struct PipeLink;  // pipeline_p2p_internal.h
+}  // namespace detail
 
 struct PipelineOptions {
   int num_micro_batches = 0;  // 0: config().num_micro_batches (init_distributed's, default pipe_size)
@@ -130,6 +133,7 @@ class PipelineTransformerBlockList : public torch::nn::Module {
   double last_busy_s_ = 0;
   std::vector<at::Tensor> tied_;
   std::shared_ptr<core::Communicator> tied_comm_;  // first and last stage (created with the list: collective)
+  std::shared_ptr<const detail::PipeLink> link_;  // the pipe communicator, its stream and device (setup)
 };
 
 }  // namespace bmt

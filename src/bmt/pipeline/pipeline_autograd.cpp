@@ -10,7 +10,6 @@
 
 #include "bmt/core/error.h"
 #include "bmt/runtime/distributed.h"
-#include "bmt/runtime/init.h"
 #include "bmt/pipeline/pipeline.h"
 #include "bmt/pipeline/pipeline_p2p_internal.h"
 #include "bmt/runtime/stream_sync.h"
@@ -33,11 +32,11 @@ struct PipeRun : torch::CustomClassHolder {
   std::vector<std::vector<int64_t>> gathered_shapes;  // per input: shape after concatenating the stages
 };
 
-// Runs fn on config().pp_comm_stream (after the work queued on the compute stream, before the work queued later):
-// every operation on pipe_comm stays on one stream, as pipe_transfer's do.
+// Runs fn on link.stream (after the work queued on the compute stream, before the work queued later): every
+// operation on the pipe communicator stays on one stream, as pipe_transfer's do.
 template <typename Fn>
-at::Tensor on_pipe_stream(Fn&& fn) {
-  const std::optional<c10::Stream> calc = calc_stream(), pp = config().pp_comm_stream;
+at::Tensor on_pipe_stream(const detail::PipeLink& link, Fn&& fn) {
+  const std::optional<c10::Stream> calc = calc_stream(), pp = link.stream;
   stream_wait(pp, calc);
   at::Tensor out;
   {
@@ -51,19 +50,19 @@ at::Tensor on_pipe_stream(Fn&& fn) {
 }
 
 // The stages' tensors concatenated along dim 0 in stage order.
-at::Tensor gather_stages(const at::Tensor& x) {
-  core::Communicator& comm = *config().pipe_comm;
+at::Tensor gather_stages(const at::Tensor& x, const detail::PipeLink& link) {
+  core::Communicator& comm = *link.comm;
   at::Tensor c = x.detach().contiguous();
-  at::Tensor all = on_pipe_stream([&] { return distributed::raw_all_gather(c, comm); });
-  if (config().pp_comm_stream) c.record_stream(*config().pp_comm_stream);
+  at::Tensor all = on_pipe_stream(link, [&] { return distributed::raw_all_gather(c, comm); });
+  if (link.stream) c.record_stream(*link.stream);
   return all.flatten(0, 1);
 }
 
-at::Tensor sum_stages(const at::Tensor& x) {
-  core::Communicator& comm = *config().pipe_comm;
+at::Tensor sum_stages(const at::Tensor& x, const detail::PipeLink& link) {
+  core::Communicator& comm = *link.comm;
   at::Tensor c = x.contiguous();
-  at::Tensor out = on_pipe_stream([&] { return distributed::raw_all_reduce(c, core::ReduceOp::kSum, comm); });
-  if (config().pp_comm_stream) c.record_stream(*config().pp_comm_stream);
+  at::Tensor out = on_pipe_stream(link, [&] { return distributed::raw_all_reduce(c, core::ReduceOp::kSum, comm); });
+  if (link.stream) c.record_stream(*link.stream);
   return out;
 }
 
@@ -80,7 +79,7 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
                                const at::Tensor& placeholder, at::TensorList inputs) {
     (void)placeholder;  // only makes the outputs require grad when no input does (parameters inside the layers)
     auto* self = reinterpret_cast<PipelineTransformerBlockList*>(self_ptr);
-    const Config& cfg = config();
+    const detail::PipeLink& link = *self->link_;
     const int H = static_cast<int>(num_hidden), M = self->micro_batches_, P = self->stages_, S = self->stage_;
     auto run = c10::make_intrusive<PipeRun>();
     run->num_hidden = H;
@@ -102,7 +101,7 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
       if (batched) {
         BMT_CHECK(x.dim() > 0 && x.size(0) == b, "PipelineTransformerBlockList: hidden state ", i, " has shape ",
                   x.sizes(), " but the first has ", b, " rows; every hidden state needs the same batch size");
-        full[i] = gather_stages(x);
+        full[i] = gather_stages(x, link);
       } else {
         BMT_CHECK(!x.requires_grad(), "PipelineTransformerBlockList: extra argument ", i - H, " (shape ", x.sizes(),
                   ") requires grad but has no batch dimension of ", b,
@@ -112,7 +111,7 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
       }
       run->gathered_shapes.push_back(full[i].sizes().vec());
     }
-    core::Communicator& comm = *cfg.pipe_comm;
+    core::Communicator& comm = *link.comm;
     for (int m = 0; m < M; ++m) {
       std::vector<at::Tensor> h, extra;
       if (S == 0) {
@@ -121,7 +120,7 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
         detail::PipeTransfer t;
         t.recv_acts = H;
         t.act_from = S - 1;
-        h = detail::pipe_transfer(comm, t, cfg.device);
+        h = detail::pipe_transfer(link, t);
       }
       for (auto& x : h)
         if (is_float(x)) x.requires_grad_(true);
@@ -145,7 +144,7 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
         detail::PipeTransfer t;
         for (auto& o : out) t.send_acts.push_back(o.detach());
         t.act_to = S + 1;
-        detail::pipe_transfer(comm, t, cfg.device);
+        detail::pipe_transfer(link, t);
       }
       run->inputs.push_back(std::move(h));
       run->extras.push_back(std::move(extra));
@@ -170,7 +169,7 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
       }
       if (P > 1) {
         at::Tensor src = all;
-        all = on_pipe_stream([&] { return distributed::raw_broadcast(src, P - 1, comm); });
+        all = on_pipe_stream(link, [&] { return distributed::raw_broadcast(src, P - 1, comm); });
       }
       result.push_back(all.narrow(0, S * b, b).clone());
     }
@@ -184,11 +183,11 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto* self = reinterpret_cast<PipelineTransformerBlockList*>(ctx->saved_data["self"].toInt());
     auto run = c10::static_intrusive_pointer_cast<PipeRun>(ctx->saved_data["run"].toCapsule());
-    const Config& cfg = config();
+    const detail::PipeLink& link = *self->link_;
     const int H = run->num_hidden, M = self->micro_batches_, P = self->stages_, S = self->stage_;
     BMT_CHECK(static_cast<int>(run->outputs.size()) == M, "PipelineTransformerBlockList: backward ran twice over "
               "one forward, or num_micro_batches changed in between");
-    core::Communicator& comm = *cfg.pipe_comm;
+    core::Communicator& comm = *link.comm;
     const int64_t b = run->local_rows, per_micro = b * P / M;
     // Every stage's rows of the output gradient, for the last stage.
     std::vector<at::Tensor> out_grads;
@@ -199,7 +198,7 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
         shape[0] = b;
         g = at::zeros(shape, run->outputs[0][static_cast<size_t>(i)].options());
       }
-      out_grads.push_back(P > 1 ? gather_stages(g) : g.contiguous());
+      out_grads.push_back(P > 1 ? gather_stages(g, link) : g.contiguous());
     }
     std::optional<GradSyncGuard> defer;  // the Blocks reduce their gradients once, in the last backward
     for (int m = 0; m < M; ++m) {
@@ -211,7 +210,7 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
         detail::PipeTransfer t;
         for (auto& o : outs) t.recv_grads.push_back(at::empty_like(o, at::MemoryFormat::Contiguous));
         t.grad_from = S + 1;
-        detail::pipe_transfer(comm, t, cfg.device);
+        detail::pipe_transfer(link, t);
         grads = t.recv_grads;
       }
       if (m == M - 1) defer.reset();
@@ -231,7 +230,7 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
         detail::PipeTransfer t;
         for (auto& x : run->inputs[static_cast<size_t>(m)]) t.send_grads.push_back(grad_or_zeros(x));
         t.grad_to = S - 1;
-        detail::pipe_transfer(comm, t, cfg.device);
+        detail::pipe_transfer(link, t);
       }
     }
     defer.reset();
@@ -258,7 +257,7 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
         }
         full = at::cat(parts, 0);
       }
-      if (P > 1) full = sum_stages(full);
+      if (P > 1) full = sum_stages(full, link);
       result.push_back(full.narrow(0, S * b, b).clone());
     }
     run->inputs.clear();

@@ -3,7 +3,6 @@
 #include <c10/core/StreamGuard.h>
 
 #include "bmt/core/error.h"
-#include "bmt/runtime/init.h"
 #include "bmt/runtime/stream_sync.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
@@ -19,12 +18,14 @@ core::P2POp op_of(bool is_send, const at::Tensor& t, int peer) {
 
 }  // namespace
 
-std::vector<at::Tensor> pipe_transfer(core::Communicator& comm, PipeTransfer& t, const at::Device& device) {
+std::vector<at::Tensor> pipe_transfer(const PipeLink& link, PipeTransfer& t) {
+  core::Communicator& comm = *link.comm;
+  const at::Device& device = link.device;
   const bool any = (!t.send_acts.empty() && t.act_to >= 0) || (!t.send_grads.empty() && t.grad_to >= 0) ||
                    (t.recv_acts > 0 && t.act_from >= 0) || (!t.recv_grads.empty() && t.grad_from >= 0);
   if (!any) return {};
   const std::optional<c10::Stream> calc = calc_stream();
-  const std::optional<c10::Stream> pp = is_initialized() ? config().pp_comm_stream : std::nullopt;
+  const std::optional<c10::Stream> pp = link.stream;
   // Payloads must be complete before the comm stream reads them.
   for (auto& x : t.send_acts) x = x.contiguous();
   for (auto& x : t.send_grads) x = x.contiguous();

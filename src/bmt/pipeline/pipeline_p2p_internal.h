@@ -2,12 +2,23 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Stream.h>
 
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "bmt/core/communicator.h"
 
 namespace bmt::detail {
+
+// The pipe communicator and where its work runs: taken from bmt::init once, when a PipelineTransformerBlockList is
+// built (pipeline.cpp), and handed to everything that talks to the neighbouring stages.
+struct PipeLink {
+  std::shared_ptr<core::Communicator> comm;  // the stages of this pipeline (InitOptions::pipe_size ranks)
+  std::optional<c10::Stream> stream;         // the pipeline communication stream (nullopt on CPU)
+  c10::Device device = c10::Device(c10::kCPU);
+};
 
 // One exchange with up to two neighbours. Activations carry their shapes and dtypes (the receiver does not know
 // them); gradients are received into buffers the caller allocated (shaped like the activations it sent).
@@ -24,9 +35,9 @@ struct PipeTransfer {
 };
 
 // Runs every send and receive of `t` concurrently (Communicator::batch_p2p, two rounds: metadata with the
-// gradients, then the activation payloads) and returns the received activations. On a GPU it runs on
-// config().pp_comm_stream, after the work queued so far on the current stream and before the work queued on it
-// later; on CPU it returns when everything has arrived.
-std::vector<at::Tensor> pipe_transfer(core::Communicator& comm, PipeTransfer& t, const at::Device& device);
+// gradients, then the activation payloads) over link.comm and returns the received activations. On a GPU it runs
+// on link.stream, after the work queued so far on the current stream and before the work queued on it later; on
+// CPU it returns when everything has arrived.
+std::vector<at::Tensor> pipe_transfer(const PipeLink& link, PipeTransfer& t);
 
 }  // namespace bmt::detail
