@@ -1,4 +1,5 @@
 // bmtrain._C: the fused cross-entropy (loss/fused_cross_entropy.h).
+#include "bmt/core/error.h"
 #include "bmt/loss/fused_cross_entropy.h"
 #include "py_support.h"
 
