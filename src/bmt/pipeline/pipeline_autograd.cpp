@@ -187,7 +187,6 @@ struct PipeAutogradFn : torch::autograd::Function<PipeAutogradFn> {
     const int H = run->num_hidden, M = self->micro_batches_, P = self->stages_, S = self->stage_;
     BMT_CHECK(static_cast<int>(run->outputs.size()) == M, "PipelineTransformerBlockList: backward ran twice over "
               "one forward, or num_micro_batches changed in between");
-    core::Communicator& comm = *link.comm;
     const int64_t b = run->local_rows, per_micro = b * P / M;
     // Every stage's rows of the output gradient, for the last stage.
     std::vector<at::Tensor> out_grads;
