@@ -4,8 +4,9 @@
 # #include of a header the repository does not carry) this fails. In a private mount namespace (`unshare -m` as root,
 # a user namespace otherwise) an empty read-only tmpfs covers every system directory of those two packages (headers
 # and CMake package files); in there it configures a fresh build folder with pyproject.toml's CMake definitions
-# (what `pip install .` configures) and compiles every translation unit that includes gloo, c10d's Gloo headers or
-# nlohmann-json (with the precompiled header they need); ccache, as scripts/build.sh sets it up, makes a rerun cheap.
+# (what `pip install .` configures; CPU-only, as what these headers serve does not depend on CUDA) and compiles
+# every translation unit that includes gloo, c10d's Gloo headers or nlohmann-json (with the precompiled header they
+# need); ccache, set up as scripts/build.sh does, serves them from the CPU build when it has compiled them.
 # It also checks that the sdist carries those headers. Usage: scripts/check_no_system_deps.sh [build folder]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,7 @@ if command -v ccache > /dev/null 2>&1; then  # as scripts/build.sh: shared objec
   export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 fi
 rm -rf "$dir"  # a fresh configure: a cached find result would hide a new system dependency
-cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython3_EXECUTABLE="$(command -v "$PY")" \
+cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DBMT_WITH_CUDA=OFF -DPython3_EXECUTABLE="$(command -v "$PY")" \
   "${defines[@]}" "${launcher[@]}" ${BMT_CMAKE_ARGS:-} > "$dir.configure.log" 2>&1 \
   || { tail -30 "$dir.configure.log"; echo "[nosys] FAIL: configure (log: $dir.configure.log)" >&2; exit 1; }
 mv "$dir.configure.log" "$dir/configure.log"
