@@ -86,9 +86,10 @@ built=$(date +%s)
 sdist_dir=$(mktemp -d)
 trap 'rm -rf "$sdist_dir"' EXIT
 sdist=$("$PY" -c 'import sys; from scikit_build_core.build import build_sdist; print(build_sdist(sys.argv[1]))' "$sdist_dir" | tail -1)
+listing=$(tar -tzf "$sdist_dir/$sdist")
 for f in third_party/gloo/gloo/context.h third_party/gloo/LICENSE third_party/nlohmann_json/nlohmann/json.hpp \
          third_party/nlohmann_json/LICENSE.MIT cmake/BmtDependencies.cmake; do
-  tar -tzf "$sdist_dir/$sdist" | grep -q "/$f\$" || { echo "[nosys] FAIL: the sdist lacks $f" >&2; exit 1; }
+  grep -q "/$f\$" <<< "$listing" || { echo "[nosys] FAIL: the sdist ($sdist) lacks $f" >&2; exit 1; }
 done
 echo "[nosys] ok: configure $((configured - start)) s, ${#objects[@]} translation units $((built - configured)) s" \
      "(${objects[*]##*/}), sdist $(($(date +%s) - built)) s"
