@@ -49,11 +49,10 @@ if command -v ccache > /dev/null 2>&1; then  # as scripts/build.sh: shared objec
   export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}
   export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 fi
-rm -rf "$dir"  # a fresh configure: a cached find result would hide a new system dependency
+rm -rf "$dir" && mkdir -p "$dir"  # a fresh configure: a cached find result would hide a new system dependency
 cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DBMT_WITH_CUDA=OFF -DPython3_EXECUTABLE="$(command -v "$PY")" \
-  "${defines[@]}" "${launcher[@]}" ${BMT_CMAKE_ARGS:-} > "$dir.configure.log" 2>&1 \
-  || { tail -30 "$dir.configure.log"; echo "[nosys] FAIL: configure (log: $dir.configure.log)" >&2; exit 1; }
-mv "$dir.configure.log" "$dir/configure.log"
+  "${defines[@]}" "${launcher[@]}" ${BMT_CMAKE_ARGS:-} > "$dir/configure.log" 2>&1 \
+  || { tail -30 "$dir/configure.log"; echo "[nosys] FAIL: configure (log: $dir/configure.log)" >&2; exit 1; }
 configured=$(date +%s)
 
 # The translation units that include gloo, c10d's Gloo headers or nlohmann-json, directly or through one of our
