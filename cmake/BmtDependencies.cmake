@@ -1,15 +1,37 @@
 # Finds LibTorch (from the pip package), CUDA + NCCL (optional) and GoogleTest, with clear errors.
+# Needs no system package beyond a C++ compiler: gloo's and nlohmann-json's headers are carried in third_party/
+# (docs/design.md, "Dependencies"), GoogleTest only for BUILD_TESTING.
 find_package(Python3 COMPONENTS Interpreter REQUIRED OPTIONAL_COMPONENTS Development.Module)
-if(NOT Torch_DIR)
-  execute_process(COMMAND ${Python3_EXECUTABLE} -c "import torch; print(torch.utils.cmake_prefix_path)"
-                  OUTPUT_VARIABLE _bmt_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _bmt_rc)
+
+# BMT_TORCH_PYTHON: the command that imports the torch bmtrain will run with. pip's build isolation (plain
+# `pip install .`) hides the installed packages behind a PYTHONPATH sitecustomize; the same interpreter with -E
+# (PYTHON* variables ignored) sees the environment pip was started from, so the build uses that torch instead of
+# downloading another one (pyproject.toml does not list torch as a build requirement for that reason).
+execute_process(COMMAND ${Python3_EXECUTABLE} -c "import torch" RESULT_VARIABLE _bmt_rc OUTPUT_QUIET ERROR_QUIET)
+if(_bmt_rc EQUAL 0)
+  set(BMT_TORCH_PYTHON ${Python3_EXECUTABLE})
+else()
+  execute_process(COMMAND ${Python3_EXECUTABLE} -E -c "import torch" RESULT_VARIABLE _bmt_rc OUTPUT_QUIET ERROR_QUIET)
   if(NOT _bmt_rc EQUAL 0)
-    message(FATAL_ERROR "bmtrain: cannot import torch with ${Python3_EXECUTABLE}. Run scripts/setup.sh (pip install torch==2.11.0) or pass -DTorch_DIR=...")
+    message(FATAL_ERROR "bmtrain: cannot import torch with ${Python3_EXECUTABLE} (nor with -E, outside pip's build "
+                        "isolation). Install torch into that environment first (pip install torch==2.11.0; "
+                        "scripts/setup.sh does), or, for a build frontend that makes its own virtual environment "
+                        "(python -m build, uv), build without isolation: python -m build --no-isolation, "
+                        "pip install --no-build-isolation .")
   endif()
+  set(BMT_TORCH_PYTHON ${Python3_EXECUTABLE} -E)
+  message(STATUS "bmtrain: torch taken from the environment outside the build isolation (${Python3_EXECUTABLE} -E)")
+endif()
+if(NOT Torch_DIR)
+  execute_process(COMMAND ${BMT_TORCH_PYTHON} -c "import torch; print(torch.utils.cmake_prefix_path)"
+                  OUTPUT_VARIABLE _bmt_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE)
   list(APPEND CMAKE_PREFIX_PATH ${_bmt_torch_prefix})
 endif()
-execute_process(COMMAND ${Python3_EXECUTABLE} -c "import torch; print(int(torch.version.cuda is not None))"
+execute_process(COMMAND ${BMT_TORCH_PYTHON} -c "import torch; print(int(torch.version.cuda is not None))"
                 OUTPUT_VARIABLE BMT_TORCH_HAS_CUDA OUTPUT_STRIP_TRAILING_WHITESPACE)
+# site-packages holding torch (and, in a CUDA torch's environment, the nvidia-* wheels it loads).
+execute_process(COMMAND ${BMT_TORCH_PYTHON} -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))"
+                OUTPUT_VARIABLE BMT_TORCH_SITE_DIR OUTPUT_STRIP_TRAILING_WHITESPACE)
 
 # Decide CUDA before find_package(Torch): a CUDA torch needs the toolkit to be found either way.
 find_program(BMT_NVCC nvcc HINTS /usr/local/cuda/bin ENV CUDA_HOME PATH_SUFFIXES bin)
@@ -42,7 +64,7 @@ if(BMT_CUDA)
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
   # One NCCL per process: prefer the pip package torch itself loads, then the toolkit's.
-  execute_process(COMMAND ${Python3_EXECUTABLE} -c "import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])"
+  execute_process(COMMAND ${BMT_TORCH_PYTHON} -c "import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])"
                   OUTPUT_VARIABLE _bmt_pip_nccl OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
   find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_bmt_pip_nccl}/include ENV NCCL_ROOT ${CUDAToolkit_INCLUDE_DIRS}
             PATH_SUFFIXES include NO_DEFAULT_PATH)
@@ -54,10 +76,8 @@ if(BMT_CUDA)
     message(FATAL_ERROR "bmtrain: CUDA is enabled but NCCL was not found (nccl.h: ${NCCL_INCLUDE_DIR}, libnccl: ${NCCL_LIBRARY}). pip install nvidia-nccl-cu13, set NCCL_ROOT, or configure with -DBMT_WITH_CUDA=OFF.")
   endif()
   # cuBLASLt (the fused-epilogue GEMMs): the copy torch loads (its pip wheel's nvidia libraries), else the toolkit's.
-  execute_process(COMMAND ${Python3_EXECUTABLE} -c "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))"
-                  OUTPUT_VARIABLE _bmt_site OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
   find_library(BMT_CUBLASLT_LIBRARY NAMES libcublasLt.so.13 libcublasLt.so.12 cublasLt
-               HINTS ${_bmt_site}/nvidia/cu13/lib ${_bmt_site}/nvidia/cublas/lib NO_DEFAULT_PATH)
+               HINTS ${BMT_TORCH_SITE_DIR}/nvidia/cu13/lib ${BMT_TORCH_SITE_DIR}/nvidia/cublas/lib NO_DEFAULT_PATH)
   if(NOT BMT_CUBLASLT_LIBRARY)
     set(BMT_CUBLASLT_LIBRARY CUDA::cublasLt)
   endif()
@@ -86,25 +106,19 @@ find_package(Torch REQUIRED)
 set(CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS} ${TORCH_CXX_FLAGS}")
 get_filename_component(BMT_TORCH_LIB_DIR "${TORCH_LIBRARY}" DIRECTORY)
 
-# torch's wheel ships c10d but not gloo's headers; Debian's libgloo-dev provides them (headers only: the
-# gloo symbols come from libtorch_cpu).
-find_path(BMT_GLOO_INCLUDE_DIR gloo/context.h)
-if(NOT BMT_GLOO_INCLUDE_DIR)
-  message(FATAL_ERROR "bmtrain: gloo headers not found (gloo/context.h). Run scripts/setup.sh (apt-get install libgloo-dev).")
+# Header-only dependencies, carried in the repository (third_party/*/README.md says where each comes from).
+# gloo: torch's wheel ships c10d's ProcessGroupGloo.hpp but not the gloo headers it includes; these are gloo's own
+# headers at the commit torch 2.11 was built with (its symbols come from libtorch_cpu). Another torch may have been
+# built with another gloo: say so rather than build silently against mismatched declarations.
+set(BMT_GLOO_INCLUDE_DIR ${PROJECT_SOURCE_DIR}/third_party/gloo)
+set(BMT_GLOO_HEADERS_TORCH "2.11")
+if(NOT Torch_VERSION VERSION_GREATER_EQUAL BMT_GLOO_HEADERS_TORCH OR Torch_VERSION VERSION_GREATER_EQUAL 2.12)
+  message(WARNING "bmtrain: third_party/gloo holds the gloo headers torch ${BMT_GLOO_HEADERS_TORCH} was built with, "
+                  "but torch ${Torch_VERSION} was found; its gloo may differ (class layouts the Gloo communicator "
+                  "relies on). Use torch==2.11.* or refresh third_party/gloo (third_party/gloo/README.md says how).")
 endif()
-
-# nlohmann-json (header-only; Debian's nlohmann-json3-dev). Machines without it (the GPU machine has no network)
-# get its headers copied next to gloo's by scripts/prepare_device_deps.sh: look there, or in BMT_EXTRA_INCLUDE_DIR.
-set(BMT_EXTRA_INCLUDE_DIR "" CACHE PATH "Extra directory searched for header-only dependencies (nlohmann/json.hpp)")
-find_package(nlohmann_json 3.9 QUIET)
-if(nlohmann_json_FOUND)
-  get_target_property(_bmt_json_dirs nlohmann_json::nlohmann_json INTERFACE_INCLUDE_DIRECTORIES)
-endif()
-find_path(BMT_JSON_INCLUDE_DIR nlohmann/json.hpp HINTS ${BMT_EXTRA_INCLUDE_DIR} ${_bmt_json_dirs} ${BMT_GLOO_INCLUDE_DIR})
-if(NOT BMT_JSON_INCLUDE_DIR)
-  message(FATAL_ERROR "bmtrain: nlohmann-json not found (nlohmann/json.hpp). Run scripts/setup.sh (apt-get install "
-                        "nlohmann-json3-dev), or pass -DBMT_EXTRA_INCLUDE_DIR=<dir holding nlohmann/> (see scripts/prepare_device_deps.sh).")
-endif()
+# nlohmann-json 3.11.3, the single-header release.
+set(BMT_JSON_INCLUDE_DIR ${PROJECT_SOURCE_DIR}/third_party/nlohmann_json)
 
 if(BUILD_TESTING)
   find_package(GTest QUIET)

@@ -15,7 +15,7 @@ mkdir -p "$OUT/gtest"
 : > "$OUT/gtest/exit_codes"
 start=$(date +%s)
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DBMT_WITH_CUDA=ON \
-  -DBMT_GTEST_SOURCE_DIR="$PWD/.deps/googletest" -DBMT_GLOO_INCLUDE_DIR="$PWD/.deps/include" > "$OUT/configure.log" 2>&1 \
+  -DBMT_GTEST_SOURCE_DIR="$PWD/.deps/googletest" > "$OUT/configure.log" 2>&1 \
   || { tail -30 "$OUT/configure.log"; echo "[gpu] FAIL: configure"; exit 1; }
 ninja -C build-gpu -j"$(nproc)" ${BMT_GPU_TARGETS:-all} > "$OUT/build.log" 2>&1 \
   || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -60; echo "[gpu] FAIL: build"; exit 1; }

@@ -15,7 +15,7 @@ start=$(date +%s)
 if [ ! -f "$BUILD/build.ninja" ]; then
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBMT_WITH_CUDA=ON -DBMT_BUILD_PYTHON=ON \
     -DPython3_EXECUTABLE="$(command -v python3)" \
-    -DBMT_GTEST_SOURCE_DIR="$PWD/.deps/googletest" -DBMT_GLOO_INCLUDE_DIR="$PWD/.deps/include" > "$OUT/configure.log" 2>&1 \
+    -DBMT_GTEST_SOURCE_DIR="$PWD/.deps/googletest" > "$OUT/configure.log" 2>&1 \
     || { tail -40 "$OUT/configure.log"; exit 1; }
 fi
 ninja -C "$BUILD" -j"$(nproc)" bmt bmt_python bmt-bench-train ${BMT_GPU_TARGETS:-} > "$OUT/build.log" 2>&1 \

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Installs what bmtrain needs on Debian 12, idempotently: compilers and build tools, GoogleTest, gloo's
-# headers (torch's wheel ships c10d but not gloo's headers), and the Python packages (LibTorch comes from
-# pip torch==2.11.0, the GPU machine's version). CUDA + NCCL are optional: the CUDA build is enabled when nvcc
-# is found (the CUDA 13 toolkit is not a Debian package; it is preinstalled on our machines).
+# Installs what bmtrain needs on Debian 12, idempotently: compilers and build tools, GoogleTest (the C++ tests),
+# and the Python packages (LibTorch comes from pip torch==2.11.0, the GPU machine's version). gloo's and
+# nlohmann-json's headers are in third_party/, not system packages (docs/design.md, "Dependencies"). CUDA + NCCL
+# are optional: the CUDA build is enabled when nvcc is found (the CUDA 13 toolkit is not a Debian package; it is
+# preinstalled on our machines).
 set -euo pipefail
 
-APT_PACKAGES=(cmake ninja-build g++ make git libgtest-dev libgloo-dev nlohmann-json3-dev clang ccache python3 python3-dev python3-pip python3-venv ca-certificates)
+APT_PACKAGES=(cmake ninja-build g++ make git libgtest-dev clang ccache python3 python3-dev python3-pip python3-venv ca-certificates)
 # transformers: pinned to the version tests/examples/test_hf_import.py was checked with (torch 2.11, CPU).
 PIP_PACKAGES=("torch==2.11.0" numpy pytest safetensors "transformers==5.24.0" scikit-build-core)
 

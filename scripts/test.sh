@@ -10,6 +10,11 @@ python3 scripts/check_includes.py
 start=$(date +%s)
 bash scripts/build.sh cpu
 echo "[test] CPU build done in $(( $(date +%s) - start )) s"
+# The package builds with the system's gloo and nlohmann-json hidden (no system dependency crept back): a fresh
+# configure plus the translation units that use them, from ccache after the build above.
+start=$(date +%s)
+bash scripts/check_no_system_deps.sh
+echo "[test] no-system-dependency check done in $(( $(date +%s) - start )) s"
 ( cd build && ctest --output-on-failure -j2 -L 'cpu|multirank' --timeout 900 )
 # The installed package: headers, libbmtrain and find_package(bmtrain), through a consumer (tests/package/).
 start=$(date +%s)

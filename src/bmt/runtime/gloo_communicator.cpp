@@ -15,7 +15,8 @@ using core::DType;
 using core::ReduceOp;
 
 struct GlooCommunicator::Impl {
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  // Held as c10d's abstract Backend: only the construction below touches ProcessGroupGloo (and gloo's headers).
+  c10::intrusive_ptr<c10d::Backend> pg;
 };
 
 namespace {
