@@ -54,13 +54,20 @@ class PipelineTransformerBlockList(torch.nn.Module):
         # Every rank visits every layer in the same order: the parameters were sharded over the world, and moving
         # them (to this stage's group, or away from the other stages) gathers each once over the world.
         stage_comm = config["pp_zero_comm"]
+        # What init_parameters needs of the other stages' layers: their initialisers run here too (drawing the same
+        # numbers from torch's generator as BMTrain, which builds every layer on every stage), so each layer and
+        # every parameter after the list gets the values the unpipelined model gets.
+        other_layers = {}
         for layer, b in enumerate(blocks):
-            for _, p in b._module.named_parameters():
+            for name, p in b._module.named_parameters():
                 if begin <= layer < end:
                     _C.reshard_param(p, stage_comm)
                     p._zero_comm = stage_comm
                 else:
                     _C.gather_logical(p)  # the collective only; the layer is dropped here
+                    other_layers.setdefault(layer, []).append(
+                        (name, tuple(p._tp_original_shape), p.dtype, p._init_method))
+        self.__dict__["_other_layers"] = other_layers
         self.num_hidden = num_hidden
         self.stages, self.stage_id = stages, stage
         self.pipe_idx = config["topology"].pipe_idx
@@ -90,6 +97,10 @@ class PipelineTransformerBlockList(torch.nn.Module):
         call = _ListCall(nh, args[nh:])
         outs = self._clist.forward(list(args[:nh]) + call.tensor_inputs, call)
         return outs[0] if nh == 1 else tuple(outs)
+
+    def __deepcopy__(self, memo):
+        raise TypeError("PipelineTransformerBlockList cannot be deep-copied: each stage holds only its own layers, "
+                        "resharded over its stage's group. Build a second model and load_state_dict into it")
 
     @property
     def num_micro_batches(self):
