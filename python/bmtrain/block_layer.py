@@ -23,6 +23,11 @@ from .layer import check_apply, load_distributed, save_distributed
 from .parameter import DistributedParameter
 
 
+class BlockUsageError(AssertionError, ValueError):
+    """A misuse that BMTrain reports with an assert: scripts catching AssertionError (BMTrain's) or ValueError
+    (ours before) both catch it."""
+
+
 def _split(tree):
     leaves, spec = tree_flatten(tree)
     pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -63,7 +68,7 @@ class _BlockCall(_Outputs):
 def _block_output(out):
     # BMTrain's Block returns a tensor as it is and any other sequence as a plain tuple of its items (a list, a
     # namedtuple); the items keep their own structure. A dict stays a dict (BMTrain would hand back its keys).
-    if isinstance(out, (list, tuple)) and not type(out) is tuple:
+    if isinstance(out, (list, tuple)) and type(out) is not tuple:
         return tuple(out)
     return out
 
@@ -249,7 +254,10 @@ class TransformerBlockList(torch.nn.Module):
         for i, m in enumerate(modules):
             if isinstance(m, Block):
                 # BMTrain: a Block may occur once in a list (the same plain module may occur several times)
-                assert id(m._module) not in wrapped, "Duplicate bmt.Block not supported in same block list!"
+                if id(m._module) in wrapped:
+                    raise BlockUsageError("Duplicate bmt.Block not supported in same block list! (the same Block "
+                                          f"object at positions {blocks.index(wrapped[id(m._module)])} and {i}; "
+                                          "list the plain module twice to share its parameters)")
             elif id(m) in wrapped:
                 m = Block._reference(wrapped[id(m)])  # the same layer again: runs twice, shares its parameters
             else:

@@ -10,7 +10,7 @@ the Blocks.
 import torch
 
 from . import _C
-from .block_layer import Block, _ListCall
+from .block_layer import Block, BlockUsageError, _ListCall
 from .global_var import config
 
 
@@ -30,18 +30,19 @@ class PipelineTransformerBlockList(torch.nn.Module):
         if num_hidden < 1:
             raise ValueError(f"PipelineTransformerBlockList: num_hidden must be >= 1, got {num_hidden}")
         modules = list(modules)
-        blocks, seen = [], set()
+        blocks, seen = [], {}  # id(inner module) -> layer
         for i, m in enumerate(modules):
             if not isinstance(m, Block):
                 m = Block(m, mode="PIPE")
             elif m._mode != "PIPE":
-                raise ValueError(f"PipelineTransformerBlockList: layer {i} is a Block(mode='BLOCK'), already built "
-                                 "over the whole world; create the layers' Blocks with mode='PIPE' (or pass the "
-                                 "plain modules)")
-            if id(m) in seen:
-                raise ValueError("PipelineTransformerBlockList: the same module appears twice; give each layer its "
-                                 "own module")
-            seen.add(id(m))
+                raise BlockUsageError(f"PipelineTransformerBlockList: layer {i} is a Block(mode='BLOCK'), already "
+                                      "built over the whole world; create the layers' Blocks with mode='PIPE' (or pass "
+                                      "the plain modules)")
+            if id(m._module) in seen:
+                raise BlockUsageError(f"PipelineTransformerBlockList: layers {seen[id(m._module)]} and {i} are the "
+                                      "same module; a pipeline cannot share one layer's parameters between positions (they "
+                                      "may sit on different stages): give each layer its own module")
+            seen[id(m._module)] = i
             blocks.append(m)
         stages, stage = config["pipe_size"], config["topology"].stage_id
         part = list(partition) if partition is not None else _C.PipelineTransformerBlockList.even_partition(

@@ -522,8 +522,8 @@ def block_bf16_optimizers():
             raise AssertionError(f"{opt_cls.__name__}: the step was skipped")
         got = model.state_dict()
         for n, m in masters.items():
-            assert_close(f"{opt_cls.__name__} after one step: {n}", got[n].float(), m.detach().to(torch.bfloat16).float(),
-                         rtol=1e-2, atol=1e-2)
+            want = m.detach().to(torch.bfloat16).float()
+            assert_close(f"{opt_cls.__name__} after one step: {n}", got[n].float(), want, rtol=1e-2, atol=1e-2)
             if torch.equal(got[n], ref.state_dict()[n]):
                 raise AssertionError(f"{opt_cls.__name__}: {n} did not change")
 

@@ -173,7 +173,7 @@ def two_hidden_and_batched_extra():
 
 def _init_model(pipelined):
     """A model whose parameters all carry initialisers: Python callables (torch.nn.init, drawing from torch's
-    generator; the same objects on every rank) and one built-in counter-based one; plain torch when pipelined is None."""
+    generator) and one built-in counter-based one; plain torch (initialised as built) when pipelined is None."""
     normal = torch.nn.init.normal_
     uniform = bmt.ParameterInitializer(torch.nn.init.uniform_, a=-1.0, b=1.0)
     builtin = bmt.param_init.normal(0.0, 0.5)
@@ -238,6 +238,23 @@ def init_parameters_as_unpipelined():
         else:
             assert_equal(f"init {k} vs plain torch", got[k], want[k].cpu())
             assert_equal(f"init {k} vs the unpipelined model", got[k], flat_sd[k])
+
+
+@case
+def pipeline_usage_errors_are_assertions():
+    """BMTrain asserts on a Block(mode="BLOCK") in a pipeline and on a Block listed twice: AssertionError (also a
+    ValueError here); the same plain module twice is refused too (its positions may sit on different stages)."""
+    _world2_only()
+    M = make(BMT)
+    expect_raises("a Block(mode='BLOCK') in a pipeline", (AssertionError,),
+                  lambda: bmt.PipelineTransformerBlockList([bmt.Block(M.Layer(D, 1)), M.Layer(D, 2)]),
+                  must_mention=("mode='PIPE'",))
+    blk = bmt.Block(M.Layer(D, 3), mode="PIPE")
+    expect_raises("the same Block twice", (AssertionError,), lambda: bmt.PipelineTransformerBlockList([blk, blk]),
+                  must_mention=("same module",))
+    layer = M.Layer(D, 4)
+    expect_raises("the same module twice", (AssertionError,),
+                  lambda: bmt.PipelineTransformerBlockList([layer, M.Layer(D, 5), layer]), must_mention=("same module",))
 
 
 if __name__ == "__main__":
