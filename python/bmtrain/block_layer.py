@@ -274,8 +274,13 @@ class TransformerBlockList(torch.nn.Module):
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
-        new = TransformerBlockList([copy.deepcopy(b, memo) for b in self._blocks], self.num_hidden,
-                                   prefetch_depth=self.__dict__["_prefetch_depth"])
+        items, firsts = [], set()
+        for b in self._blocks:
+            c = copy.deepcopy(b, memo)
+            # A layer listed again goes in as its (copied) module, which the new list wraps as a reference again.
+            items.append(c._module if id(c._module) in firsts else c)
+            firsts.add(id(c._module))
+        new = TransformerBlockList(items, self.num_hidden, prefetch_depth=self.__dict__["_prefetch_depth"])
         new.train(self.training)
         memo[id(self)] = new
         return new

@@ -173,17 +173,17 @@ def two_hidden_and_batched_extra():
 
 def _init_model(pipelined):
     """A model whose parameters all carry initialisers: Python callables (torch.nn.init, drawing from torch's
-    generator) and one built-in counter-based one; plain torch (initialised as built) when pipelined is None."""
+    generator) and one built-in counter-based one; plain torch when pipelined is None (initialised in
+    named_parameters order: the reference for the callables)."""
     normal = torch.nn.init.normal_
     uniform = bmt.ParameterInitializer(torch.nn.init.uniform_, a=-1.0, b=1.0)
     builtin = bmt.param_init.normal(0.0, 0.5)
 
     def param(shape, init):
         if pipelined is None:
-            t = torch.empty(*shape, device=bmt.config["device"])
-            if init is not builtin:
-                init(t)
-            return torch.nn.Parameter(t)
+            p = torch.nn.Parameter(torch.empty(*shape, device=bmt.config["device"]))
+            p.init = init
+            return p
         return bmt.DistributedParameter(torch.empty(*shape), init_method=init)
 
     base = torch.nn.Module if pipelined is None else bmt.DistributedModule
@@ -207,7 +207,13 @@ def _init_model(pipelined):
             else:
                 self.layers = bmt.TransformerBlockList(layers)
             self.post = param((2, D), uniform)
-    return Model()
+    model = Model()
+    if pipelined is None:  # BMTrain's order: named_parameters (a module's own parameters before its children's)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.init is not builtin:
+                    p.init(p)
+    return model
 
 
 @case
@@ -226,7 +232,7 @@ def init_parameters_as_unpipelined():
     torch.manual_seed(77)
     bmt.init_parameters(flat)
     torch.manual_seed(77)
-    ref = _init_model(pipelined=None)  # initialises as it is built: named_parameters order
+    ref = _init_model(pipelined=None)
     got, flat_sd, want = model.state_dict(), flat.state_dict(), ref.state_dict()
     stage_layers = set(model.layers.layer_ids)
     expect = [k for k in want if not k.startswith("layers.") or int(k.split(".")[1]) in stage_layers]
