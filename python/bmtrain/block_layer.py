@@ -5,7 +5,14 @@ buffers, gathers them before the forward (on the comm stream, prefetched by Tran
 forward in the backward when use_checkpoint, and reduce-scatters the gradients. The inner module's Python forward
 runs inside the engine's call: each call's non-tensor arguments and output structure travel as the call's context
 (_BlockCall / _ListCall), which the engine hands back for the recompute.
+
+Gradients (BMTrain's): after a backward, a parameter's .grad is its slice of the Block's gradient shard, which has
+the parameter's dtype (bf16 parameters: a bf16 shard, 2 bytes a parameter); the optimizers read it there
+(bmt.main_grad(p) is the same tensor). Block(..., reduce_dtype=torch.float32) keeps an fp32 shard for half
+parameters instead (2 bytes a parameter more; .grad is then None and the gradient is bmt.main_grad(p)). Frozen
+parameters (requires_grad=False) get no gradient.
 """
+import copy
 import functools
 
 import torch
@@ -14,6 +21,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import _C
 from .layer import check_apply, load_distributed, save_distributed
 from .parameter import DistributedParameter
+
+
+class BlockUsageError(AssertionError, ValueError):
+    """A misuse that BMTrain reports with an assert: scripts catching AssertionError (BMTrain's) or ValueError
+    (ours before) both catch it."""
 
 
 def _split(tree):
@@ -50,7 +62,15 @@ class _BlockCall(_Outputs):
 
     def run(self, module, tensors):
         args, kwargs = _join(self.leaves, self.spec, self.pos, tensors)
-        return self.flatten_outputs(module(*args, **kwargs))
+        return self.flatten_outputs(_block_output(module(*args, **kwargs)))
+
+
+def _block_output(out):
+    # BMTrain's Block returns a tensor as it is and any other sequence as a plain tuple of its items (a list, a
+    # namedtuple); the items keep their own structure. A dict stays a dict (BMTrain would hand back its keys).
+    if isinstance(out, (list, tuple)) and type(out) is not tuple:
+        return tuple(out)
+    return out
 
 
 class _ListCall(_Outputs):
@@ -75,8 +95,9 @@ class Block(torch.nn.Module):
     """BMTrain's Block(inner_module, use_checkpoint=True, zero_level=3, initialized=False, mode="BLOCK").
     Every parameter of inner_module must be a DistributedParameter. The Block is transparent: parameters(),
     named_parameters(), state_dict() and attribute access are the inner module's (no "_module." prefix).
-    Keyword-only extras: reduce_dtype (dtype of gradient accumulation and reduce-scatter, default fp32 for half
-    parameters), reduce_op ("sum", BMTrain's, or "avg")."""
+    Keyword-only extras: reduce_dtype (dtype of the gradient shard, its accumulation and reduce-scatter; default
+    None = each parameter's own dtype, BMTrain's; torch.float32 keeps an fp32 shard for half parameters, whose
+    gradient is then bmt.main_grad(p) and .grad stays None), reduce_op ("sum", BMTrain's, or "avg")."""
 
     def __init__(self, inner_module, use_checkpoint=True, zero_level=3, initialized=False, mode="BLOCK", *,
                  reduce_dtype=None, reduce_op="sum"):
@@ -103,6 +124,8 @@ class Block(torch.nn.Module):
         d["_modules"] = inner_module._modules
         d["_non_persistent_buffers_set"] = inner_module._non_persistent_buffers_set
         d["_mode"] = mode
+        if reduce_dtype is None:
+            reduce_dtype = _own_grad_dtype(inner_module, named)
         d["_build_args"] = (zero_level, bool(use_checkpoint), reduce_dtype, reduce_op)
         d["_cblock"] = None
         if mode == "BLOCK":
@@ -110,6 +133,37 @@ class Block(torch.nn.Module):
         # mode "PIPE": built by the PipelineTransformerBlockList that takes it, after its parameters moved to the
         # stage's group (and not at all on the other stages)
         self.training = inner_module.training
+
+    @classmethod
+    def _reference(cls, block):
+        """A second Block over the same module and engine Block (BMTrain's Block.reference): the same layer listed
+        twice in a TransformerBlockList runs twice and shares its parameters (their gradients add up)."""
+        ref = torch.nn.Module.__new__(cls)
+        torch.nn.Module.__init__(ref)
+        d = ref.__dict__
+        for key in ("_module", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_mode",
+                    "_build_args", "_cblock"):
+            d[key] = block.__dict__[key]
+        ref.training = block.training
+        return ref
+
+    def __deepcopy__(self, memo):
+        # A copy over copied parameters (each DistributedParameter deep-copies to a new one with the same value)
+        # with an engine Block of its own; collective, like building the model.
+        if id(self) in memo:
+            return memo[id(self)]
+        shared = ("bmtrain.Block", id(self._module))  # a copied Block over this module: the copy references it
+        if shared in memo:
+            new = Block._reference(memo[shared])
+        else:
+            inner = copy.deepcopy(self._module, memo)
+            zero_level, use_checkpoint, reduce_dtype, reduce_op = self.__dict__["_build_args"]
+            new = Block(inner, use_checkpoint, zero_level, mode=self._mode, reduce_dtype=reduce_dtype,
+                        reduce_op=reduce_op)
+            memo[shared] = new
+        new.train(self.training)
+        memo[id(self)] = new
+        return new
 
     def _build(self):
         zero_level, use_checkpoint, reduce_dtype, reduce_op = self.__dict__["_build_args"]
@@ -169,6 +223,18 @@ class Block(torch.nn.Module):
 CheckpointBlock = Block
 
 
+def _own_grad_dtype(module, named):
+    """reduce_dtype=None: gradient shards in the parameters' own dtype. The engine takes one reduce dtype per Block
+    and promotes it with each group's dtype, so the half dtype (or fp32 when there is none) gives every group its own
+    dtype; a Block holding both float16 and bfloat16 parameters must choose."""
+    halves = {p.dtype for _, p in named if p.dtype in (torch.float16, torch.bfloat16)}
+    if len(halves) > 1:
+        raise ValueError(f"Block: {type(module).__name__} holds both float16 and bfloat16 parameters; their gradient "
+                         "shards cannot both keep their own dtype. Pass reduce_dtype=torch.float32 (fp32 gradient "
+                         "shards, read with bmt.main_grad(p)) or give the parameters one dtype")
+    return halves.pop() if halves else torch.float32
+
+
 class TransformerBlockList(torch.nn.Module):
     """BMTrain's TransformerBlockList(modules, num_hidden=1, sqrt=False): runs the Blocks in sequence while the next
     Blocks' parameters are gathered ahead (prefetch_depth, keyword-only, default 1) and, in the backward, the
@@ -183,17 +249,56 @@ class TransformerBlockList(torch.nn.Module):
         if num_hidden < 1:
             raise ValueError(f"TransformerBlockList: num_hidden must be >= 1, got {num_hidden}")
         self.num_hidden = num_hidden
-        blocks, seen = [], set()
+        self.__dict__["_prefetch_depth"] = prefetch_depth
+        blocks, wrapped = [], {}  # wrapped: id(inner module) -> its Block in this list
         for i, m in enumerate(modules):
-            if not isinstance(m, Block):
+            if isinstance(m, Block):
+                # BMTrain: a Block may occur once in a list (the same plain module may occur several times)
+                if id(m._module) in wrapped:
+                    raise BlockUsageError("Duplicate bmt.Block not supported in same block list! (the same Block "
+                                          f"object at positions {blocks.index(wrapped[id(m._module)])} and {i}; "
+                                          "list the plain module twice to share its parameters)")
+            elif id(m) in wrapped:
+                m = Block._reference(wrapped[id(m)])  # the same layer again: runs twice, shares its parameters
+            else:
                 m = Block(m)
-            if id(m) in seen:
-                raise AssertionError("Duplicate bmt.Block not supported in same block list!")
-            seen.add(id(m))
+            wrapped.setdefault(id(m._module), m)
             blocks.append(m)
             self.add_module(str(i), m)
         self.__dict__["_blocks"] = blocks
-        self.__dict__["_clist"] = _C.TransformerBlockList([b._built() for b in blocks], prefetch_depth)
+        engine_blocks = [b._built() for b in blocks]
+        # The engine's list prefetches each next Block; a layer listed twice runs Block by Block instead.
+        repeated = len({id(b) for b in engine_blocks}) < len(engine_blocks)
+        self.__dict__["_clist"] = None if repeated else _C.TransformerBlockList(engine_blocks, prefetch_depth)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        items, firsts = [], set()
+        for b in self._blocks:
+            c = copy.deepcopy(b, memo)
+            # A layer listed again goes in as its (copied) module, which the new list wraps as a reference again.
+            items.append(c._module if id(c._module) in firsts else c)
+            firsts.add(id(c._module))
+        new = TransformerBlockList(items, self.num_hidden, prefetch_depth=self.__dict__["_prefetch_depth"])
+        new.train(self.training)
+        memo[id(self)] = new
+        return new
+
+    def _run_each(self, args, nh, return_hidden_states, call):
+        # The engine list's loop (block_list.cpp), Block by Block: a list holding one layer several times.
+        hidden, rest, stacked = list(args[:nh]), list(args[nh:]), [[] for _ in range(nh)]
+        for i, b in enumerate(self._blocks):
+            if return_hidden_states:
+                for h in range(nh):
+                    stacked[h].append(hidden[h])
+            out = b._built().forward(hidden + rest, call)
+            if len(out) < nh:
+                raise ValueError(f"TransformerBlockList: block {i} returned {len(out)} tensors but num_hidden is {nh}")
+            hidden = list(out[:nh])
+        if return_hidden_states:
+            hidden += [torch.stack(t) for t in stacked]
+        return hidden
 
     def forward(self, *args, return_hidden_states=False):
         nh = self.num_hidden
@@ -203,7 +308,10 @@ class TransformerBlockList(torch.nn.Module):
             if not isinstance(h, torch.Tensor):
                 raise TypeError(f"TransformerBlockList: hidden state {i} must be a tensor, got {type(h).__name__}")
         call = _ListCall(nh, args[nh:])
-        outs = self._clist.forward(list(args[:nh]) + call.tensor_inputs, nh, bool(return_hidden_states), call)
+        if self._clist is None:
+            outs = self._run_each(list(args[:nh]) + call.tensor_inputs, nh, bool(return_hidden_states), call)
+        else:
+            outs = self._clist.forward(list(args[:nh]) + call.tensor_inputs, nh, bool(return_hidden_states), call)
         if return_hidden_states:
             return tuple(outs)
         return outs[0] if nh == 1 else tuple(outs)

@@ -5,6 +5,8 @@ tensor (1-D). The C++ engine keeps its record (shape, communicator, shard range,
 object's tensor, which is why the object is created empty first and then made distributed in place: wrapping an
 existing tensor in a new Parameter would make a tensor the engine does not know.
 """
+import copy
+
 import torch
 
 from . import _C
@@ -23,11 +25,15 @@ class DistributedParameter(torch.nn.Parameter):
                                "DistributedParameters")
         if not isinstance(data, torch.Tensor):
             data = torch.as_tensor(data)
-        obj = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=data.dtype, device=config["device"]),
-                                          requires_grad)
         # With a pipeline, a parameter outside it is used by every stage on its own data: it shards over the world
         # (BMTrain's zero_comm); a pipeline layer's parameters move to their stage's group when the list takes them.
         comm = config["comm"] if config.get("pipe_size", 1) > 1 else None
+        return cls._create(data, requires_grad, init_method, group, tp_mode, tp_split_dim, comm)
+
+    @classmethod
+    def _create(cls, data, requires_grad, init_method, group, tp_mode, tp_split_dim, comm):
+        obj = torch.Tensor._make_subclass(cls, torch.empty(0, dtype=data.dtype, device=config["device"]),
+                                          requires_grad)
         _C.make_distributed(obj, data.detach(), init_method, bool(tp_mode), int(tp_split_dim), comm)
         obj._init_method = init_method
         obj._tp_mode = bool(tp_mode)
@@ -75,8 +81,21 @@ class DistributedParameter(torch.nn.Parameter):
                         "bmt.save(model, path) or its state_dict()")
 
     def __deepcopy__(self, memo):
-        raise TypeError("a DistributedParameter cannot be deep-copied (its shard is registered with the engine); "
-                        "build a new model and load its state_dict")
+        """A new DistributedParameter with this one's value, shape, dtype, init_method, group, tensor-parallel split
+        and requires_grad, sharded the same way (outside any Block; a copied Block takes it). Collective over the
+        parameter's group, like creating one: every rank deep-copies the same model. Other attributes are deep-copied;
+        the gradient is not (torch's Parameter does the same)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        full = _C.gather_full(self)  # this tensor-parallel rank's piece, full_shape
+        comm = None if (self._tp_mode and self._tp_split_dim >= 0) else _C.param_comm(self)
+        new = type(self)._create(full, self.requires_grad, self._init_method, self._group, self._tp_mode,
+                                 self._tp_split_dim, comm)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key not in new.__dict__:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
 
 
 class ParameterInitializer:

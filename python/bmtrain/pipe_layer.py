@@ -10,7 +10,7 @@ the Blocks.
 import torch
 
 from . import _C
-from .block_layer import Block, _ListCall
+from .block_layer import Block, BlockUsageError, _ListCall
 from .global_var import config
 
 
@@ -30,18 +30,19 @@ class PipelineTransformerBlockList(torch.nn.Module):
         if num_hidden < 1:
             raise ValueError(f"PipelineTransformerBlockList: num_hidden must be >= 1, got {num_hidden}")
         modules = list(modules)
-        blocks, seen = [], set()
+        blocks, seen = [], {}  # id(inner module) -> layer
         for i, m in enumerate(modules):
             if not isinstance(m, Block):
                 m = Block(m, mode="PIPE")
             elif m._mode != "PIPE":
-                raise ValueError(f"PipelineTransformerBlockList: layer {i} is a Block(mode='BLOCK'), already built "
-                                 "over the whole world; create the layers' Blocks with mode='PIPE' (or pass the "
-                                 "plain modules)")
-            if id(m) in seen:
-                raise ValueError("PipelineTransformerBlockList: the same module appears twice; give each layer its "
-                                 "own module")
-            seen.add(id(m))
+                raise BlockUsageError(f"PipelineTransformerBlockList: layer {i} is a Block(mode='BLOCK'), already "
+                                      "built over the whole world; create the layers' Blocks with mode='PIPE' (or pass "
+                                      "the plain modules)")
+            if id(m._module) in seen:
+                raise BlockUsageError(f"PipelineTransformerBlockList: layers {seen[id(m._module)]} and {i} are the "
+                                      "same module; a pipeline cannot share one layer's parameters between positions (they "
+                                      "may sit on different stages): give each layer its own module")
+            seen[id(m._module)] = i
             blocks.append(m)
         stages, stage = config["pipe_size"], config["topology"].stage_id
         part = list(partition) if partition is not None else _C.PipelineTransformerBlockList.even_partition(
@@ -54,13 +55,20 @@ class PipelineTransformerBlockList(torch.nn.Module):
         # Every rank visits every layer in the same order: the parameters were sharded over the world, and moving
         # them (to this stage's group, or away from the other stages) gathers each once over the world.
         stage_comm = config["pp_zero_comm"]
+        # What init_parameters needs of the other stages' layers: their initialisers run here too (drawing the same
+        # numbers from torch's generator as BMTrain, which builds every layer on every stage), so each layer and
+        # every parameter after the list gets the values the unpipelined model gets.
+        other_layers = {}
         for layer, b in enumerate(blocks):
-            for _, p in b._module.named_parameters():
+            for name, p in b._module.named_parameters():
                 if begin <= layer < end:
                     _C.reshard_param(p, stage_comm)
                     p._zero_comm = stage_comm
                 else:
                     _C.gather_logical(p)  # the collective only; the layer is dropped here
+                    other_layers.setdefault(layer, []).append(
+                        (name, tuple(p._tp_original_shape), p.dtype, p._init_method))
+        self.__dict__["_other_layers"] = other_layers
         self.num_hidden = num_hidden
         self.stages, self.stage_id = stages, stage
         self.pipe_idx = config["topology"].pipe_idx
@@ -90,6 +98,10 @@ class PipelineTransformerBlockList(torch.nn.Module):
         call = _ListCall(nh, args[nh:])
         outs = self._clist.forward(list(args[:nh]) + call.tensor_inputs, call)
         return outs[0] if nh == 1 else tuple(outs)
+
+    def __deepcopy__(self, memo):
+        raise TypeError("PipelineTransformerBlockList cannot be deep-copied: each stage holds only its own layers, "
+                        "resharded over its stage's group. Build a second model and load_state_dict into it")
 
     @property
     def num_micro_batches(self):

@@ -46,8 +46,10 @@ def see_memory(message, detail=False):
 
 
 def main_grad(param):
-    """The gradient the optimizers read for `param`: the fp32 gradient shard of a DistributedParameter (also for
-    bf16/fp16 parameters, whose .grad stays None), else param.grad."""
+    """The gradient the optimizers read for `param`: a DistributedParameter's slice of its gradient shard (in a
+    Block, by default, the parameter's dtype and the same tensor as param.grad; an fp32 shard with
+    Block(..., reduce_dtype=torch.float32) or for a half-precision parameter outside any Block, whose .grad stays
+    None), else param.grad. None for a frozen parameter."""
     g = _C.main_grad(param)
     return param.grad if g is None else g
 

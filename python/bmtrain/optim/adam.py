@@ -1,8 +1,8 @@
 """AdamOptimizer / AdamOffloadOptimizer: thin handles over the engine's optimizers.
 
 Updates are AdamW-style (decoupled weight decay) for every dtype, with fp32 master weights and moments for
-half-precision parameters; with weight_decay=0 the update equals torch.optim.Adam. Gradients are read from the
-engine's fp32 gradient shards (bmt.main_grad). param_groups is a list of dicts as in torch: writing "lr" (or
+half-precision parameters; with weight_decay=0 the update equals torch.optim.Adam. Gradients are read where the
+engine keeps them (bmt.main_grad: a Block's gradient shard, in the parameter's dtype by default, or fp32). param_groups is a list of dicts as in torch: writing "lr" (or
 betas, eps, weight_decay) changes the engine's group.
 """
 from collections.abc import Mapping

@@ -47,6 +47,18 @@ void accumulate_into(const at::Tensor& dst, const at::Tensor& src) {
   dst.add_(src);
 }
 
+// Points a parameter at its slice of its Block's gradient shard: the gradient the optimizers read (main_grad) and,
+// when the shard has the parameter's dtype, its .grad (BMTrain's: the shard's gradient in place). A frozen parameter
+// gets neither (torch leaves .grad alone for requires_grad=False), so clipping, inspection and the optimizers skip it.
+void expose_gradient(const at::Tensor& param, const at::Tensor& view, bool as_own_grad) {
+  if (!param.requires_grad()) {
+    set_main_grad(param, at::Tensor());
+    return;
+  }
+  set_main_grad(param, view);
+  if (as_own_grad) param.mutable_grad() = view;
+}
+
 }  // namespace
 
 void run_grad_ready_hooks(Block& block) {
@@ -113,12 +125,10 @@ at::Tensor& Block::grad_shard_of(size_t gi) {
   g.grad_lazy = false;
   g.grad_fresh = true;
   memory::add_grad_bytes(g.grad_shard.nbytes());
-  for (auto& s : slots_) {
-    if (s->group != gi) continue;
-    at::Tensor view = g.grad_shard.narrow(0, s->local_begin, s->local_numel);
-    set_main_grad(s->param, view);
-    if (g.grad_shard.scalar_type() == g.dtype) s->param.mutable_grad() = view;
-  }
+  for (auto& s : slots_)
+    if (s->group == gi)
+      expose_gradient(s->param, g.grad_shard.narrow(0, s->local_begin, s->local_numel),
+                      g.grad_shard.scalar_type() == g.dtype);
   return g.grad_shard;
 }
 
@@ -156,6 +166,14 @@ void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = *groups_[gi];
     if (g.grad_handed_over) adopt_handed_over_gradients(gi);  // still held: accumulate into them
+    if (grad_sync_enabled() && !g.grad_released) {
+      // Every reduction points the parameters at the shard again, as BMTrain does after each backward: a .grad set
+      // to None since (zero_grad(set_to_none=True)) comes back, and requires_grad changed since is honoured.
+      for (auto& s : slots_)
+        if (s->group == gi)
+          expose_gradient(s->param, g.grad_shard.narrow(0, s->local_begin, s->local_numel),
+                          g.grad_shard.scalar_type() == g.dtype);
+    }
     const bool one_rank_direct = g.comm->size() == 1 && grad_sync_enabled() && g.grad_released &&
                                  !g.deferred_grad_full.defined() && g.tp_grad_reduce == TpGradReduce::kNone;
     if (one_rank_direct) {

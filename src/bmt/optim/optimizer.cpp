@@ -63,7 +63,9 @@ void BmtOptimizer::zero_grad(bool set_to_none) {
     for (auto& p : group.params()) {
       at::Tensor own = p.grad();
       at::Tensor main = peek_main_grad(p);  // a Block gradient not allocated yet is zeros already
-      if (main.defined() && !(own.defined() && main.is_same(own))) zero(main);
+      // set_to_none drops .grad; the shard it viewed is zeroed too, so the next backward starts from zero (torch's
+      // contract) instead of accumulating onto the gradient the user discarded.
+      if (main.defined() && (set_to_none || !(own.defined() && main.is_same(own)))) zero(main);
       if (!own.defined()) continue;
       if (set_to_none) {
         p.mutable_grad().reset();

@@ -11,7 +11,7 @@ import types
 import torch
 
 import bmtrain as bmt
-from common import OUT, Skip, assert_close, case, expect_raises, main, randn, rank, rank_input, world
+from common import OUT, Skip, assert_close, assert_equal, case, expect_raises, main, randn, rank, rank_input, world
 from models import BMT, TORCH, make
 
 D, B, LAYERS = 6, 4, 5  # 5 layers over 2 stages: 3 + 2
@@ -169,6 +169,98 @@ def two_hidden_and_batched_extra():
     want = run(ref_list, rank())
     for name, g, w in zip(("out1", "out2", "h1 grad", "h2 grad", "ctx grad"), got, want):
         assert_close(name, g, w)
+
+
+def _init_model(pipelined):
+    """A model whose parameters all carry initialisers: Python callables (torch.nn.init, drawing from torch's
+    generator) and one built-in counter-based one; plain torch when pipelined is None (initialised in
+    named_parameters order: the reference for the callables)."""
+    normal = torch.nn.init.normal_
+    uniform = bmt.ParameterInitializer(torch.nn.init.uniform_, a=-1.0, b=1.0)
+    builtin = bmt.param_init.normal(0.0, 0.5)
+
+    def param(shape, init):
+        if pipelined is None:
+            p = torch.nn.Parameter(torch.empty(*shape, device=bmt.config["device"]))
+            p.init = init
+            return p
+        return bmt.DistributedParameter(torch.empty(*shape), init_method=init)
+
+    base = torch.nn.Module if pipelined is None else bmt.DistributedModule
+
+    class Layer(base):
+        def __init__(self):
+            super().__init__()
+            self.w = param((D, D), normal)
+            self.b = param((D,), uniform)
+            self.s = param((3, D), builtin)
+
+    class Model(base):
+        def __init__(self):
+            super().__init__()
+            self.pre = param((D, 2), normal)
+            layers = [Layer() for _ in range(LAYERS)]
+            if pipelined is None:
+                self.layers = torch.nn.ModuleList(layers)
+            elif pipelined:
+                self.layers = bmt.PipelineTransformerBlockList([bmt.Block(m, mode="PIPE") for m in layers])
+            else:
+                self.layers = bmt.TransformerBlockList(layers)
+            self.post = param((2, D), uniform)
+    model = Model()
+    if pipelined is None:  # BMTrain's order: named_parameters (a module's own parameters before its children's)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.init is not builtin:
+                    p.init(p)
+    return model
+
+
+@case
+def init_parameters_as_unpipelined():
+    """init_parameters of a pipelined model gives every layer this stage holds, and the parameters before and after
+    the list, the values the unpipelined model gets (BMTrain builds every layer on every stage, so torch's generator
+    draws for all of them): the callables' values equal plain torch initialising the same parameters in
+    named_parameters order after the same torch.manual_seed; the built-in initialiser's equal a TransformerBlockList
+    model's (they depend on the parameter's name only)."""
+    torch.manual_seed(77)
+    model = _init_model(pipelined=True)
+    torch.manual_seed(77)
+    bmt.init_parameters(model)
+    torch.manual_seed(77)
+    flat = _init_model(pipelined=False)
+    torch.manual_seed(77)
+    bmt.init_parameters(flat)
+    torch.manual_seed(77)
+    ref = _init_model(pipelined=None)
+    got, flat_sd, want = model.state_dict(), flat.state_dict(), ref.state_dict()
+    stage_layers = set(model.layers.layer_ids)
+    expect = [k for k in want if not k.startswith("layers.") or int(k.split(".")[1]) in stage_layers]
+    if sorted(got) != sorted(expect):
+        raise AssertionError(f"state_dict keys {sorted(got)} != {sorted(expect)}")
+    for k in expect:
+        if k.endswith(".s"):
+            assert_equal(f"built-in init {k} vs the unpipelined model", got[k], flat_sd[k])
+        else:
+            assert_equal(f"init {k} vs plain torch", got[k], want[k].cpu())
+            assert_equal(f"init {k} vs the unpipelined model", got[k], flat_sd[k])
+
+
+@case
+def pipeline_usage_errors_are_assertions():
+    """BMTrain asserts on a Block(mode="BLOCK") in a pipeline and on a Block listed twice: AssertionError (also a
+    ValueError here); the same plain module twice is refused too (its positions may sit on different stages)."""
+    _world2_only()
+    M = make(BMT)
+    expect_raises("a Block(mode='BLOCK') in a pipeline", (AssertionError,),
+                  lambda: bmt.PipelineTransformerBlockList([bmt.Block(M.Layer(D, 1)), M.Layer(D, 2)]),
+                  must_mention=("mode='PIPE'",))
+    blk = bmt.Block(M.Layer(D, 3), mode="PIPE")
+    expect_raises("the same Block twice", (AssertionError,), lambda: bmt.PipelineTransformerBlockList([blk, blk]),
+                  must_mention=("same module",))
+    layer = M.Layer(D, 4)
+    expect_raises("the same module twice", (AssertionError,),
+                  lambda: bmt.PipelineTransformerBlockList([layer, M.Layer(D, 5), layer]), must_mention=("same module",))
 
 
 if __name__ == "__main__":
