@@ -5,7 +5,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 
 TOP = ["init_distributed", "config", "world_size", "rank", "DistributedParameter", "ParameterInitializer",
        "DistributedModule", "init_parameters", "grouped_parameters", "synchronize", "sum_loss", "gather_result",
