@@ -158,8 +158,11 @@ TEST(TrainGptKillResume, KillBetweenCommitAndLatestThenResumeIsBitIdentical) {
 
 namespace {
 
-// bmtrun + train_gpt started without a shell in between, output to `log`.
+// bmtrun + train_gpt (through `sh -c exec`, so the pid is bmtrun's), output to `log`. Everything the child needs
+// is prepared before fork(): this process has threads (checksum workers), so the child calls only async-signal-
+// safe functions before exec.
 pid_t spawn_train(const std::string& options, const std::string& log) {
+  const std::string cmd = "exec " + kBmtrun + " --nproc 2 " + kTrain + small_run_options() + options;
   const pid_t pid = ::fork();
   if (pid == 0) {
     const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -167,7 +170,6 @@ pid_t spawn_train(const std::string& options, const std::string& log) {
       ::dup2(fd, 1);
       ::dup2(fd, 2);
     }
-    const std::string cmd = "exec " + kBmtrun + " --nproc 2 " + kTrain + small_run_options() + options;
     ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
     ::_exit(127);
   }
@@ -275,8 +277,11 @@ TEST(TrainGptKillResume, SoakOfTwentyRandomKillsEachResumedEndsOnTheUninterrupte
       if ((ranks[0] > 0 && ranks[1] > 0) || seconds_since(t0) > 60) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    ASSERT_GT(ranks[static_cast<size_t>(rank)], 0) << "cycle " << cycle << ": rank " << rank << " never started\n"
-                                                   << read_file(log);
+    if (ranks[static_cast<size_t>(rank)] <= 0) {
+      ::kill(pid, SIGKILL);
+      wait_exit(pid, std::chrono::seconds(30));
+      FAIL() << "cycle " << cycle << ": rank " << rank << " never started\n" << read_file(log);
+    }
     std::this_thread::sleep_for(std::chrono::duration<double>(delay_s));
     const bool sent = ::kill(ranks[static_cast<size_t>(rank)], SIGKILL) == 0;
     const int code = wait_exit(pid, std::chrono::seconds(120));
