@@ -111,10 +111,11 @@ void kill_then_resume(const std::string& point, int64_t step, int rank, bool asy
 
   Result resumed = train(2, run_options(run, kSteps, kSaveEvery, async) + " --resume");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  if (latest > 0)
+  if (latest > 0) {
     EXPECT_TRUE(contains(resumed.output, "resumed from " + run.ckpt + "/" + step_name(latest) + " at step " +
                                              std::to_string(latest)))
         << resumed.output;
+  }
   // Every step line of both runs (the killed run's and the resumed run's) is the reference's.
   expect_same_steps(reference, read_step_metrics(run.metrics), "killed at " + what + ", then resumed");
   EXPECT_EQ(sound_latest(run.ckpt), kSteps);
