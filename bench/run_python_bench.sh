@@ -3,6 +3,7 @@
 # model in C++ (bmt-bench-train --framework bmt), side by side on one GPU, each run its own process; then one table
 # (tokens/s, peak GiB, Python / C++). Results are appended to bench/results/<date>-<machine>.jsonl and, with $OUT
 # set, copied to $OUT/bench_python/ (runs.jsonl, table.txt, logs.tgz). BENCH_ONLY=REGEX picks run ids; PY_BENCH_BUDGET_S (360) bounds the whole.
+# Exits 1 when a run failed, wrote no result, or was left out for the budget (every run asked for must report).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-gpu}
@@ -23,12 +24,13 @@ CONFIGS=(
   "1p3b_offload|gpt-1.3b|2048|8|2|4|--offload"
 )
 : > "$LOG/runs.jsonl"
+failures=0
 for c in "${CONFIGS[@]}"; do
   IFS='|' read -r id preset seq batch warm steps extra <<< "$c"
   if [ -n "${BENCH_ONLY:-}" ] && ! [[ $id =~ $BENCH_ONLY ]]; then continue; fi
   for fw in cpp python; do
     left=$((BUDGET - ($(date +%s) - start)))
-    if [ "$left" -lt 30 ]; then echo "[pybench] $fw $id skipped (budget)"; continue; fi
+    if [ "$left" -lt 30 ]; then echo "[pybench] FAIL: $fw $id not run (budget PY_BENCH_BUDGET_S=$BUDGET spent)"; failures=$((failures + 1)); continue; fi
     limit=$(( left < 200 ? left : 200 ))
     flags=(--preset "$preset" --seq "$seq" --batch "$batch" --warmup "$warm" --steps "$steps" $extra)
     json=$LOG/$fw-$id.json
@@ -42,7 +44,8 @@ for c in "${CONFIGS[@]}"; do
     fi
     rc=$?
     grep RESULT "$LOG/$fw-$id.log" | sed "s/^/[pybench] $fw $id: /" || true
-    [ "$rc" = 0 ] || { echo "[pybench] $fw $id failed (rc $rc):"; tail -5 "$LOG/$fw-$id.log"; }
+    [ "$rc" = 0 ] || { echo "[pybench] FAIL: $fw $id (rc $rc):"; tail -5 "$LOG/$fw-$id.log"; failures=$((failures + 1)); }
+    [ "$rc" != 0 ] || [ -s "$json" ] || { echo "[pybench] FAIL: $fw $id wrote no result ($json)"; failures=$((failures + 1)); }
     if [ -s "$json" ]; then
       python3 - "$json" "$fw" "$id" >> "$LOG/runs.jsonl" <<'PY'
 import json, sys
@@ -77,4 +80,5 @@ for cid, d in by.items():
     print(f"{name:<34} {ct:>11,.0f} {pt:>11,.0f} {pt / ct:>7.3f} {cg:>8.1f} {pg:>8.1f}")
 PY
 [ -n "${OUT:-}" ] && cp "$LOG/table.txt" "$OUT/bench_python/table.txt"
+[ "$failures" = 0 ] || { echo "[pybench] $failures run(s) failed or not run"; exit 1; }
 exit 0

@@ -41,3 +41,9 @@ function(bmt_add_test)
   endif()
   gtest_discover_tests(${T_NAME} PROPERTIES ${_props} DISCOVERY_TIMEOUT 120)
 endfunction()
+
+# A skipped test must show as Skipped, not Passed (scripts/check_skips.py fails CI on any skip that
+# tests/allowed_skips.txt does not allow): gtest's "[  SKIPPED ]" (gtest_discover_tests sets it itself) and pytest's
+# "N skipped" summary.
+set(BMT_GTEST_SKIP_REGEX "\\[  SKIPPED \\]")
+set(BMT_PYTEST_SKIP_REGEX "[0-9]+ skipped")

@@ -4,8 +4,8 @@
 # results read from gtest's XML), the runtime demo, the NCCL fault check when BMT_FAULT_CHECK=1 and 2 GPUs are
 # visible (tests/cuda/nccl_fault_check.sh), then each extra command given as an argument (benchmarks).
 # Ends with one line "N passed, N failed, N skipped" and exits non-zero on any failed test, any failed check or
-# command, and any skipped test this machine should have run (a skip that does not say it needs more GPUs or more
-# memory than there are). Logs go to $OUT when set.
+# command, and any skipped test this machine should have run (a skip that does not say it needs more GPUs than
+# there are, and is not allowed with its reason in tests/allowed_skips.txt). Logs go to $OUT when set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/cuda/bin" NCCL_NVLS_ENABLE=0
@@ -64,11 +64,13 @@ import xml.etree.ElementTree as ET
 out, ngpu = sys.argv[1], int(sys.argv[2])
 passed = failed = skipped = 0
 problems = []
-def expected_skip(msg):
+sys.path.insert(0, "scripts")
+from check_skips import read_allowed
+allowed = {what for kind, what, _ in read_allowed("tests/allowed_skips.txt", "cuda") if kind == "gtest"}
+def expected_skip(full, msg):
     m = re.search(r"needs (\d+) GPU", msg)
     if m: return int(m.group(1)) > ngpu          # a multi-GPU test on a machine with fewer GPUs
-    if re.search(r"memory", msg, re.I): return True  # not enough free GPU memory for a large case
-    return ngpu == 0                             # "no CUDA device" and anything else: only without GPUs
+    return full in allowed                       # anything else only where tests/allowed_skips.txt says why
 for line in open(os.path.join(out, "gtest", "exit_codes")):
     name, rc = line.split()
     path = os.path.join(out, "gtest", name + ".xml")
@@ -86,7 +88,7 @@ for line in open(os.path.join(out, "gtest", "exit_codes")):
             skipped += 1
             node = case.find("skipped")
             msg = (node.get("message", "") if node is not None else "") + (node.text or "" if node is not None else "")
-            if not expected_skip(msg):
+            if not expected_skip(full, msg):
                 problems.append(f"{name}: SKIPPED {full} although this machine ({ngpu} GPUs) should run it: "
                                 f"{msg.strip().splitlines()[-1] if msg.strip() else '(no reason given)'}")
         else:

@@ -2,7 +2,8 @@
 # On a GPU machine (carrying .deps: scripts/prepare_device_deps.sh): builds the CUDA configuration's library, the
 # Python extension and the C++ training benchmark, runs the Python package's tests on the GPUs (NCCL, one process
 # per GPU: BMT_TEST_DEVICE=cuda) and then bench/run_python_bench.sh (the Python GPT vs bmt-bench-train, side by
-# side). Logs go to $OUT. Exits non-zero when the build or a test fails.
+# side). Logs go to $OUT. Exits non-zero when the build, a test or the benchmark fails, when the test folder is
+# missing, or on a pytest skip that tests/allowed_skips.txt does not allow (scripts/check_skips.py --device cuda).
 #   BMT_GPU_BUILD (build-gpu)   build folder, reused when warm
 #   BMT_PY_TESTS (tests/python) the pytest folder to run; BMT_PY_BENCH=0 skips the benchmark
 set -uo pipefail
@@ -27,9 +28,15 @@ python3 -c "import bmtrain, torch; print('[gpu] bmtrain', bmtrain.__version__, '
 rc=0
 TESTS=${BMT_PY_TESTS:-tests/python}
 if [ -d "$TESTS" ]; then
-  ( cd "$TESTS" && BMT_TEST_DEVICE=cuda timeout -k 10 "${BMT_PY_TEST_BUDGET:-300}" python3 -m pytest -q -p no:cacheprovider . ) \
+  ( cd "$TESTS" && BMT_TEST_DEVICE=cuda timeout -k 10 "${BMT_PY_TEST_BUDGET:-300}" python3 -m pytest -q -rs -p no:cacheprovider . ) \
     > "$OUT/pytest_cuda.log" 2>&1 || rc=1
   tail -25 "$OUT/pytest_cuda.log"
+  python3 scripts/check_skips.py --device cuda "pytest:$OUT/pytest_cuda.log" || rc=1
+else
+  echo "[gpu] FAIL: test folder $TESTS does not exist"
+  rc=1
 fi
-[ "${BMT_PY_BENCH:-1}" = 1 ] && bash bench/run_python_bench.sh "$BUILD"
+if [ "${BMT_PY_BENCH:-1}" = 1 ]; then
+  bash bench/run_python_bench.sh "$BUILD" || { echo "[gpu] FAIL: bench/run_python_bench.sh exited $?"; rc=1; }
+fi
 exit $rc

@@ -15,6 +15,7 @@
 #include "bmt/checkpoint/sharded_checkpoint.h"
 #include "bmt/core/error.h"
 #include "bmt/runtime/distributed.h"
+#include "train/test_kill.h"
 
 namespace examples {
 
@@ -136,12 +137,26 @@ void write_file_atomic(const std::string& path, const std::string& contents) {
   fsync_directory(parent_of(path));
 }
 
-SavedCheckpoint save_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
-                                bmt::optim::OptimManager& optim, int64_t keep_last) {
+namespace {
+
+[[noreturn]] void save_failed(const std::string& root, int64_t step, const std::exception& e) {
+  std::string latest;
+  std::ifstream(join(root, "latest")) >> latest;
+  BMT_ERROR("checkpoint of step ", step, " failed: ", one_line(e.what()), ". The partial folder was removed; ",
+            latest.empty() ? std::string("there is no earlier checkpoint") : join(root, latest) + " is intact",
+            ". Free space or choose another --save-dir (--keep-last K bounds the space used)");
+}
+
+}  // namespace
+
+CheckpointInFlight start_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
+                                    bmt::optim::OptimManager& optim, int64_t keep_last, bool async) {
   const auto& cfg = bmt::config();
-  const std::string name = step_dir_name(step);
-  SavedCheckpoint out;
-  out.dir = join(root, name);
+  CheckpointInFlight out;
+  out.root = root;
+  out.name = step_dir_name(step);
+  out.step = step;
+  out.keep_last = keep_last;
   if (cfg.rank == 0) {  // a failure shows as the save's own (agreed) error below
     std::error_code ec;
     std::filesystem::create_directories(root, ec);
@@ -151,21 +166,37 @@ SavedCheckpoint save_checkpoint(const std::string& root, int64_t step, LanguageM
   state.user_metadata = {{"trainer.step", std::to_string(step)},
                          {"trainer.world_size", std::to_string(cfg.world_size)},
                          {"trainer.tp_size", std::to_string(cfg.tp_size)}};
+  bmt::checkpoint::SaveOptions options;
+  options.async = async;
   try {
-    bmt::checkpoint::save(out.dir, state);  // collective; throws the same error on every rank
+    out.handle = bmt::checkpoint::save(join(root, out.name), state, options);  // collective; same error everywhere
   } catch (const std::exception& e) {
-    std::string latest;
-    std::ifstream(join(root, "latest")) >> latest;
-    BMT_ERROR("checkpoint of step ", step, " failed: ", one_line(e.what()), ". The partial folder was removed; ",
-              latest.empty() ? std::string("there is no earlier checkpoint") : join(root, latest) + " is intact",
-              ". Free space or choose another --save-dir (--keep-last K bounds the space used)");
+    save_failed(root, step, e);
   }
-  if (cfg.rank == 0) {
-    write_file_atomic(join(root, "latest"), name + "\n");
-    out.removed = prune_old(root, name, keep_last);
+  return out;
+}
+
+SavedCheckpoint finish_checkpoint(CheckpointInFlight& in_flight) {
+  SavedCheckpoint out;
+  out.dir = join(in_flight.root, in_flight.name);
+  try {
+    in_flight.handle.wait();  // collective: throws on every rank if any rank's files failed
+  } catch (const std::exception& e) {
+    save_failed(in_flight.root, in_flight.step, e);
+  }
+  test_kill_point("commit", in_flight.step);  // the folder is committed, `latest` not yet moved
+  if (bmt::config().rank == 0) {
+    write_file_atomic(join(in_flight.root, "latest"), in_flight.name + "\n");
+    out.removed = prune_old(in_flight.root, in_flight.name, in_flight.keep_last);
   }
   bmt::synchronize();
   return out;
+}
+
+SavedCheckpoint save_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
+                                bmt::optim::OptimManager& optim, int64_t keep_last) {
+  CheckpointInFlight in_flight = start_checkpoint(root, step, model, optim, keep_last, /*async=*/false);
+  return finish_checkpoint(in_flight);
 }
 
 std::optional<ResumeInfo> load_checkpoint(const std::string& root, LanguageModel& model,

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "bmt/checkpoint/sharded_checkpoint.h"
 #include "bmt/optim/optim_manager.h"
 #include "models/language_model.h"
 
@@ -30,6 +31,21 @@ struct SavedCheckpoint {
 // `latest` and the earlier checkpoints are untouched.
 SavedCheckpoint save_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
                                 bmt::optim::OptimManager& optim, int64_t keep_last);
+
+// --async-save: a checkpoint whose files are still being written in the background (bmt::checkpoint's async save:
+// the state was copied to host memory before start_checkpoint returned, so training may go on). `latest` moves
+// only in finish_checkpoint, after every rank's files are committed: a crash meanwhile leaves `latest` on the
+// previous checkpoint.
+struct CheckpointInFlight {
+  std::string root, name;
+  int64_t step = 0, keep_last = 0;
+  bmt::checkpoint::SaveHandle handle;
+};
+// Collective. async = false writes before returning (save_checkpoint = start + finish).
+CheckpointInFlight start_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
+                                    bmt::optim::OptimManager& optim, int64_t keep_last, bool async);
+// Collective: waits for the files, then moves `latest` and prunes; throws like save_checkpoint.
+SavedCheckpoint finish_checkpoint(CheckpointInFlight& in_flight);
 
 struct ResumeInfo {
   int64_t step = 0;  // steps already done

@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "bmt/core/error.h"
@@ -29,7 +30,9 @@ std::string to_json_line(const MetricFields& fields) {
       std::snprintf(buf, sizeof buf, "%.0f", *v);
       out += buf;
     } else {
+      // 7 digits where they read back as the same double, else 17 (exact): resumed runs are compared bit for bit.
       std::snprintf(buf, sizeof buf, "%.7g", *v);
+      if (std::strtod(buf, nullptr) != *v) std::snprintf(buf, sizeof buf, "%.17g", *v);
       out += buf;
     }
   }

@@ -40,7 +40,8 @@ class MetricsLog {
 // grad_max; grad_* null without a gradient), for one step's line.
 MetricFields inspect_fields(const std::vector<bmt::inspect::TensorStats>& rows);
 
-// One JSON object (no trailing newline); integral values are printed without a fraction, NaN/inf as null.
+// One JSON object (no trailing newline); integral values are printed without a fraction, NaN/inf as null, others
+// with the fewest digits (7 or 17) that read back as the same double.
 std::string to_json_line(const MetricFields& fields);
 
 }  // namespace examples

@@ -38,6 +38,8 @@ std::string train_usage() {
                       checksummed format: model, optimizer, LR schedule, RNG; `bmt-ckpt verify D/step_<n>`)
                       and D/latest; --resume continues from D/latest, also at another world or tp size
                       (optimizer state resharded, not restarted)
+  --async-save        write each checkpoint in the background (the state is copied to host memory first, so
+                      training goes on); `latest` moves onto it when the next save starts or the run ends
   --keep-last K       keep the newest K checkpoints, delete older ones after each new one (default 0: all)
   --max-skipped-steps N  stop with an error after N steps in a row skipped for inf/NaN (default 20); a
                       checkpoint due on a skipped step waits for the next good one
@@ -120,6 +122,8 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       a.no_cuda_graphs = true;
     } else if (arg == "--resume") {
       a.resume = true;
+    } else if (arg == "--async-save") {
+      a.async_save = true;
     } else if (auto it = valued.find(arg); it != valued.end()) {
       if (!inline_value) {
         BMT_CHECK(i + 1 < argc, "option ", arg, " needs a value");

@@ -31,6 +31,7 @@ struct TrainArgs {
   int64_t save_every = 0;
   std::string save_dir = "checkpoints";
   int64_t keep_last = 0;            // keep the newest K step folders (0: all)
+  bool async_save = false;          // write checkpoints in the background (committed at the next save / the end)
   bool resume = false;
   int64_t max_skipped_steps = 20;   // stop with an error after this many inf/NaN steps in a row
   std::string metrics_path;

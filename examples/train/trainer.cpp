@@ -24,6 +24,7 @@
 #include "train/metrics_log.h"
 #include "train/progress.h"
 #include "train/settings.h"
+#include "train/test_kill.h"
 
 namespace examples {
 
@@ -74,6 +75,7 @@ struct Run {
   TrainResult result;
   MetricsLog metrics;
   std::unique_ptr<Progress> progress;
+  std::optional<CheckpointInFlight> in_flight;  // --async-save: the checkpoint still being written
 };
 
 void build(Run& run) {
@@ -159,11 +161,23 @@ void evaluate(Run& run, int64_t step, MetricFields& fields) {
   fields.emplace_back("task_acc", acc);
 }
 
-void save(Run& run, int64_t step) {
-  const SavedCheckpoint saved = save_checkpoint(run.args.save_dir, step, *run.model, *run.optim, run.args.keep_last);
+// The checkpoint in flight (--async-save) is committed: `latest` moves onto it.
+void finish_save(Run& run) {
+  if (!run.in_flight) return;
+  const SavedCheckpoint saved = finish_checkpoint(*run.in_flight);
+  run.in_flight.reset();
   std::string line = "checkpoint: " + saved.dir;
   if (!saved.removed.empty()) line += " (removed " + std::to_string(saved.removed.size()) + " older)";
   run.progress->message(line);
+}
+
+// Synchronous: written and committed before the next step. --async-save: the state is copied to host memory and
+// written in the background while training goes on; it is committed when the next save starts or the loop ends.
+void save(Run& run, int64_t step) {
+  finish_save(run);
+  run.in_flight = start_checkpoint(run.args.save_dir, step, *run.model, *run.optim, run.args.keep_last,
+                                   run.args.async_save);
+  if (!run.args.async_save) finish_save(run);
 }
 
 // The step loop. A step whose gradients (or loss) are inf/NaN is skipped by the OptimManager; a checkpoint due on
@@ -208,6 +222,7 @@ void train_loop(Run& run) {
       loss = run.model->loss(tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq));
       run.optim->backward(loss);
     }
+    test_kill_point("step", step + 1);
     MetricFields inspected;  // before clipping and the update: this step's parameters and raw gradients
     if (args.inspect_every > 0 && (step + 1) % args.inspect_every == 0)
       inspected = inspect_fields(bmt::inspect::inspect_model(*run.model));
@@ -256,6 +271,7 @@ void train_loop(Run& run) {
       run.progress->message("checkpoint postponed: step " + std::to_string(step + 1) + " was skipped (inf/NaN)");
     }
   }
+  finish_save(run);
   if (save_due && run.rank0)
     std::fprintf(stderr, "train_gpt: warning: no checkpoint at the end: the last step was skipped (inf/NaN)\n");
   run.progress->finish();
@@ -319,6 +335,7 @@ TrainResult run_training(const TrainArgs& args) {
   Run run(args);
   run.t_begin = now_s();
   run.rank0 = bmt::config().rank == 0;
+  install_test_kill_hook();
   run.data = make_dataset({args.data, args.data_format, args.seed});
   run.s = resolve_settings(args, *run.data);
   build(run);

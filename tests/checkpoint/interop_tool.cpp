@@ -86,7 +86,7 @@ int check(const std::string& path) {
 
 // A free port, kept bound (SO_REUSEADDR, not listening) for the life of this process so that no parallel job is
 // handed it before our own rendezvous store binds it (the store sets SO_REUSEADDR too).
-int free_port() {
+int reserved_port() {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   int on = 1;
   setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
@@ -107,7 +107,7 @@ int write_all(const std::string& dir) {
   setenv("LOCAL_RANK", "0", 1);
   setenv("LOCAL_WORLD_SIZE", "1", 1);
   setenv("MASTER_ADDR", "127.0.0.1", 1);
-  setenv("MASTER_PORT", std::to_string(free_port()).c_str(), 1);
+  setenv("MASTER_PORT", std::to_string(reserved_port()).c_str(), 1);
   bmt::InitOptions o;
   o.backend = bmt::Backend::kGloo;
   o.quiet = true;

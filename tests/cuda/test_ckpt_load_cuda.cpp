@@ -94,3 +94,55 @@ TEST(CkptLoadCuda, StateLoadsIntoGpuTensorsThroughPinnedStaging) {
     if (bmt::rank() == 0) ck::remove_tree(dir);
   }, init);
 }
+
+namespace {
+
+// A plain LibTorch module whose parameters are separate allocations of 2 MiB each: the caching allocator gives
+// each its own cudaMalloc segment, and consecutive segments are often adjacent in address space. The staged load
+// must copy each parameter on its own (plan_staged_load never merges copies of two items, tests/checkpoint/
+// test_load_plan.cpp): a copy spanning two allocations fails in cudaMemcpyAsync or writes the wrong one.
+struct SeparateParams : torch::nn::Module {
+  explicit SeparateParams(int64_t seed) {
+    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
+    for (int i = 0; i < 6; ++i)
+      ps.push_back(register_parameter("p" + std::to_string(i),
+                                      at::randn({1024, 1024}, g, at::kFloat).to(at::kBFloat16).to(at::kCUDA)));
+  }
+  std::vector<at::Tensor> ps;
+};
+
+}  // namespace
+
+TEST(CkptLoadCuda, ParametersInSeparateAllocationsLoadInPlaceEachIntoItsOwn) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ::unsetenv("BMT_CKPT_LOAD_IN_PLACE");
+  const std::string dir = "/tmp/bmt_ckpt_load_sep_" + std::to_string(::getpid());
+  bmt::InitOptions init = bmt::testing::test_init();
+  init.backend = bmt::Backend::kNccl;
+  bmt::testing::run_ranks(1, [&] {
+    ck::set_stage_chunk_nbytes(8 << 20);  // several parameters per staging chunk: copies could merge across them
+    SeparateParams a(1);
+    ck::TrainingState sa;
+    sa.model = &a;
+    sa.rng = false;
+    ck::save(dir, sa).wait();
+    SeparateParams b(2);
+    int adjacent = 0;
+    for (size_t i = 1; i < b.ps.size(); ++i) {
+      const char* end = static_cast<const char*>(b.ps[i - 1].data_ptr()) + b.ps[i - 1].nbytes();
+      if (end == b.ps[i].data_ptr()) ++adjacent;
+      ASSERT_NE(b.ps[i - 1].data_ptr(), b.ps[i].data_ptr());
+    }
+    std::printf("[ %d of %zu consecutive parameters are adjacent in device memory ]\n", adjacent, b.ps.size() - 1);
+    ck::TrainingState sb;
+    sb.model = &b;
+    sb.rng = false;
+    const ck::LoadInfo info = ck::load(dir, sb);
+    EXPECT_GT(info.model_bytes_read, 0);
+    torch::cuda::synchronize();
+    for (size_t i = 0; i < a.ps.size(); ++i)
+      EXPECT_TRUE(at::equal(b.ps[i].cpu(), a.ps[i].cpu())) << "p" << i << " after the in-place load";
+    ck::set_stage_chunk_nbytes(ck::kDefaultStageChunkNbytes);
+    if (bmt::rank() == 0) ck::remove_tree(dir);
+  }, init);
+}

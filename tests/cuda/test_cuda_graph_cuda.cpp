@@ -6,9 +6,13 @@
 //
 // Bit-identical, not within a tolerance: the graph replays the very kernels the eager step launches, on the same
 // data, so any difference is a bug (a step that read stale inputs, a gradient added twice or not at all). For that
-// the kernels must be deterministic: deterministic algorithms, CUBLAS_WORKSPACE_CONFIG, and the math attention
-// backend (flash / memory-efficient attention backward accumulate with atomics). Every variant prints its
+// the kernels must be deterministic: deterministic algorithms, CUBLAS_WORKSPACE_CONFIG, and either the math
+// attention backend or (the fused-attention variants) flash / cuDNN attention kept with torch's strict
+// deterministic mode, in which their backward does not accumulate with atomics. Every variant prints its
 // max |difference| and the graph counters whatever the verdict.
+// Also captured: the kept attention (checkpointing keeps the flash/cuDNN attention output for the recompute), an
+// overflow (an inf gradient: the step is skipped, the loss scale halves, the new scale is a new key: warm-up and a
+// new capture) and gradient accumulation (two replays add into the same gradient bytes before one update).
 //
 // Also: OptimManager::step on the GPU queues the Adam update ahead of its host read of the inf/NaN verdict (the
 // kernel skips itself on a bad step): an injected inf leaves parameters and step counts as they were (also on the
@@ -20,6 +24,7 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -44,10 +49,16 @@ struct Variant {
   int zero = 3;
   bool checkpointing = false;
   at::ScalarType dtype = at::kFloat;
+  bool fused_attention = false;  // flash / cuDNN attention kept (strict deterministic mode), else the math backend
+  double loss_scale = 0;         // > 0: dynamic loss scaling from this scale
+  int accumulation = 1;          // micro-batches (graph calls) per optimizer step
+  std::vector<int> overflow_steps;  // optimizer steps whose gradients get an inf (after the backward)
 };
 
 struct Trace {
-  std::vector<double> loss;
+  std::vector<double> loss;  // per optimizer step: the sum over its micro-batches
+  std::vector<bool> skipped;
+  std::vector<double> scales;  // the loss scale after each step
   bmt::StateDict final_state;
   std::string graph_report;
 };
@@ -64,12 +75,13 @@ examples::ModelConfig small_gpt() {
   return m;
 }
 
-void make_deterministic() {
+void make_deterministic(const Variant& v) {
   setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
-  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
-  at::globalContext().setSDPUseFlash(false);
+  // Strict mode (warn_only = false) is what makes flash / cuDNN attention run their deterministic backward.
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/!v.fused_attention);
+  at::globalContext().setSDPUseFlash(v.fused_attention);
   at::globalContext().setSDPUseMemEfficient(false);
-  at::globalContext().setSDPUseCuDNN(false);
+  at::globalContext().setSDPUseCuDNN(v.fused_attention);
 }
 
 // One rank's batch of step s, for sequence length `seq` (shape (batch, seq + 1)).
@@ -85,7 +97,9 @@ Trace train(const Variant& v, const bmt::StateDict& initial, const std::vector<i
   std::vector<at::Tensor> params;
   for (const auto& item : model->named_parameters()) params.push_back(item.value());
   auto adam = std::make_shared<bmt::optim::AdamOptimizer>(params, bmt::optim::AdamOptions(1e-3, {0.9, 0.95}, 1e-8, 0.1));
-  bmt::optim::OptimManager manager;
+  bmt::optim::OptimManagerOptions mo;
+  if (v.loss_scale > 0) mo.loss_scale = v.loss_scale;
+  bmt::optim::OptimManager manager(mo);
   manager.add_optimizer(adam);
   bmt::CudaGraphOptions go;
   go.verbose = true;
@@ -99,20 +113,27 @@ Trace train(const Variant& v, const bmt::StateDict& initial, const std::vector<i
   Trace t;
   std::string modes;
   for (size_t s = 0; s < seqs.size(); ++s) {
-    at::Tensor tokens = batch_for(static_cast<int>(s), 4, seqs[s], small_gpt().vocab_size);
-    at::Tensor loss;
-    if (graphs) {
-      loss = step({tokens}, manager.loss_scale())[0];
-      modes += " " + step.last_mode();
-    } else {
-      const int64_t T = seqs[s];
-      loss = model->loss(tokens.narrow(1, 0, T), tokens.narrow(1, 1, T));
-      manager.backward(loss);
-      loss = loss.detach();
+    double step_loss = 0;
+    for (int m = 0; m < v.accumulation; ++m) {
+      at::Tensor tokens = batch_for(static_cast<int>(s) * v.accumulation + m, 4, seqs[s], small_gpt().vocab_size);
+      at::Tensor loss;
+      if (graphs) {
+        loss = step({tokens}, manager.loss_scale())[0];
+        modes += " " + step.last_mode();
+      } else {
+        const int64_t T = seqs[s];
+        loss = model->loss(tokens.narrow(1, 0, T), tokens.narrow(1, 1, T));
+        manager.backward(loss);
+        loss = loss.detach();
+      }
+      step_loss += loss.item<double>();
     }
-    manager.step();
+    if (std::find(v.overflow_steps.begin(), v.overflow_steps.end(), static_cast<int>(s)) != v.overflow_steps.end())
+      bmt::main_grad(params[3]).view(-1)[0].fill_(std::numeric_limits<float>::infinity());
+    t.skipped.push_back(!manager.step());
+    t.scales.push_back(manager.loss_scale());
     manager.zero_grad();
-    t.loss.push_back(loss.item<double>());
+    t.loss.push_back(step_loss);
   }
   torch::cuda::synchronize();
   t.final_state = bmt::state_dict(*model);
@@ -124,7 +145,7 @@ Trace train(const Variant& v, const bmt::StateDict& initial, const std::vector<i
 
 // Runs eager and graphed training and requires identical losses and parameters; returns the graphed trace.
 Trace expect_same_as_eager(const Variant& v, const std::vector<int64_t>& seqs) {
-  make_deterministic();
+  make_deterministic(v);
   bmt::StateDict initial;
   {
     auto model = examples::make_model(small_gpt(), {v.zero, v.checkpointing}, v.dtype);
@@ -150,6 +171,8 @@ Trace expect_same_as_eager(const Variant& v, const std::vector<int64_t>& seqs) {
   std::fflush(stdout);
   EXPECT_EQ(max_loss_diff, 0.0) << v.name << " (graph: " << graph.graph_report << ")\n" << table;
   EXPECT_EQ(max_param_diff, 0.0) << v.name;
+  EXPECT_EQ(graph.skipped, eager.skipped) << v.name;
+  EXPECT_EQ(graph.scales, eager.scales) << v.name;
   return graph;
 }
 
@@ -261,3 +284,48 @@ TEST(CudaGraphCuda, QueuedAdamStepSkipsOnInfNanAndTakesBackItsCounts) {
 }
 
 }  // namespace
+
+// The kept attention captured: checkpointed Blocks keep the flash / cuDNN attention output for the recompute
+// (recompute_keep.h), so the graph holds the fused kernels and the kept tensors; bf16 (what flash needs).
+TEST(CudaGraphCuda, KeptFlashAttentionIsCapturedBitIdentically) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device";
+  bmt::testing::run_ranks(1, [] {
+    Variant v{"zero3-ckpt-bf16-fused-attention", 3, true, at::kBFloat16};
+    v.fused_attention = true;
+    const Trace g = expect_same_as_eager(v, std::vector<int64_t>(8, 64));
+    EXPECT_NE(g.graph_report.find("captures 1, replays 5, eager 2"), std::string::npos) << g.graph_report;
+    EXPECT_EQ(g.graph_report.find("OFF"), std::string::npos) << g.graph_report;
+  }, nccl_init());
+}
+
+// An overflow while replaying: the inf gradient of step 4 skips that update and halves the loss scale; the new
+// scale is the graph's key, so step 5 warms up again and step 7 captures anew. Eager does the same, bit for bit.
+TEST(CudaGraphCuda, OverflowSkipsTheStepHalvesTheScaleAndCapturesAgain) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device";
+  bmt::testing::run_ranks(1, [] {
+    Variant v{"zero3-bf16-overflow", 3, false, at::kBFloat16};
+    v.loss_scale = 1024;
+    v.overflow_steps = {4};
+    const Trace g = expect_same_as_eager(v, std::vector<int64_t>(9, 64));
+    EXPECT_EQ(g.skipped, (std::vector<bool>{false, false, false, false, true, false, false, false, false}));
+    EXPECT_EQ(g.scales[3], 1024);
+    EXPECT_EQ(g.scales[4], 512) << "an overflow halves the scale";
+    EXPECT_NE(g.graph_report.find("captures 2, replays 3, eager 4"), std::string::npos) << g.graph_report;
+    EXPECT_NE(g.graph_report.find("modes: eager eager capture graph graph eager eager capture graph"),
+              std::string::npos)
+        << g.graph_report;
+  }, nccl_init());
+}
+
+// Gradient accumulation: two replays per update add into the same gradient bytes (zero_grad in place between
+// updates); the same as two eager micro-batches.
+TEST(CudaGraphCuda, GradientAccumulationOverTwoReplaysEqualsEager) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device";
+  bmt::testing::run_ranks(1, [] {
+    Variant v{"zero3-fp32-accumulate2", 3, false, at::kFloat};
+    v.accumulation = 2;
+    const Trace g = expect_same_as_eager(v, std::vector<int64_t>(6, 64));
+    // 12 calls: 2 eager, 1 capture, 9 replays.
+    EXPECT_NE(g.graph_report.find("captures 1, replays 9, eager 2"), std::string::npos) << g.graph_report;
+  }, nccl_init());
+}

@@ -38,7 +38,8 @@ void ensure_initialized() {
                         "BMT_TIMEOUT_S", "TORCHELASTIC_USE_AGENT_STORE"})
     unsetenv(v);
   setenv("MASTER_ADDR", "127.0.0.1", 1);
-  setenv("MASTER_PORT", std::to_string(bmt::testing::free_port()).c_str(), 1);
+  static const bmt::testing::PortReservation port;  // held for the process's life: the store binds it too
+  setenv("MASTER_PORT", std::to_string(port.port()).c_str(), 1);
   bmt::InitOptions o;
   o.backend = bmt::Backend::kNccl;
   o.quiet = true;

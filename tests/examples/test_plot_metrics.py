@@ -14,7 +14,7 @@ import pytest
 def tool():
     path = os.environ.get("BMT_PLOT_METRICS")
     if not path:
-        pytest.skip("BMT_PLOT_METRICS is not set: run this test through ctest")
+        pytest.fail("BMT_PLOT_METRICS is not set: run this test through ctest (it sets the tool's path)")
     return path
 
 

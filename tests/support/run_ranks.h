@@ -38,10 +38,6 @@ RankRunReport run_ranks(int world_size, const std::function<void()>& body, bmt::
 // True inside a rank process started by run_ranks.
 bool in_rank_process();
 
-// A TCP port that was free a moment ago on 127.0.0.1 (the socket is closed again: racy under parallel jobs; prefer
-// PortReservation when a child process binds it).
-int free_port();
-
 // A port bound (SO_REUSEADDR, not listening) for the lifetime of this object: the kernel hands it to no other
 // bind(0) or outgoing connection meanwhile, while a child's TCPStore (which sets SO_REUSEADDR and listens) can
 // still bind it.

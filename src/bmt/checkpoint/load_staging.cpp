@@ -29,53 +29,10 @@ void load_device(CheckpointReader& reader, int device, const std::vector<const I
   const auto dev = static_cast<c10::DeviceIndex>(device);
   c10::cuda::CUDAGuard guard(dev);
   const int64_t C = stage_chunk_nbytes(), B = reader.metadata().checksum_block_nbytes;
-  struct Copy {
-    int64_t staged_offset;
-    char* dst;
-    int64_t nbytes;
-    const InPlaceLoad* item;  // copies merge only within one tensor: two allocations may be adjacent in
-                              // address space, and one cudaMemcpyAsync must not span two of them
-  };
-  struct Chunk {
-    std::vector<FileSpan> spans;  // dst_offset: offset in the chunk
-    std::vector<Copy> copies;
-  };
-  std::vector<Chunk> chunks(1);
-  int64_t fill = 0;
-  std::vector<FileSpan> spans;
-  for (const InPlaceLoad* it : items) {
-    spans.clear();
-    reader.spans_of(*it->entry, it->begin, it->end, spans);
-    char* base = static_cast<char*>(it->dst.data_ptr());
-    for (const FileSpan& s : spans) {
-      int64_t off = s.file_offset, n = s.nbytes, rel = s.dst_offset;
-      while (n > 0) {
-        if (fill == C) {
-          chunks.emplace_back();
-          fill = 0;
-        }
-        int64_t take = std::min(n, C - fill);
-        bool cut = false;
-        if (take < n) {  // the chunk ends inside this span: end it at a block boundary when there is one
-          const int64_t aligned = (off + take) / B * B - off;
-          if (aligned > 0) take = aligned;
-          cut = true;
-        }
-        Chunk& ch = chunks.back();
-        ch.spans.push_back({s.file, off, take, fill, nullptr});
-        if (!ch.copies.empty() && ch.copies.back().item == it &&
-            ch.copies.back().staged_offset + ch.copies.back().nbytes == fill &&
-            ch.copies.back().dst + ch.copies.back().nbytes == base + rel)
-          ch.copies.back().nbytes += take;
-        else
-          ch.copies.push_back({fill, base + rel, take, it});
-        fill = cut ? C : fill + take;
-        off += take;
-        rel += take;
-        n -= take;
-      }
-    }
-  }
+  std::vector<std::vector<FileSpan>> item_spans(items.size());
+  for (size_t i = 0; i < items.size(); ++i)
+    reader.spans_of(*items[i]->entry, items[i]->begin, items[i]->end, item_spans[i]);
+  std::vector<StagedChunk> chunks = plan_staged_load(item_spans, C, B);
   const std::vector<HostChunk*> host = borrow_host_chunks(kLoadRingChunks, /*pinned=*/true);
   c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, dev);
   {
@@ -99,14 +56,15 @@ void load_device(CheckpointReader& reader, int device, const std::vector<const I
   auto finish = [&](size_t k, CheckpointReader::Batch& batch) {
     batch.wait();
     const size_t slot = k % kLoadRingChunks;
-    for (const Copy& c : chunks[k].copies) {
-      const cudaError_t err = cudaMemcpyAsync(c.dst, host[slot]->data + c.staged_offset, static_cast<size_t>(c.nbytes),
+    for (const StagedCopy& c : chunks[k].copies) {
+      char* dst = static_cast<char*>(items[c.item]->dst.data_ptr()) + c.dst_offset;
+      const cudaError_t err = cudaMemcpyAsync(dst, host[slot]->data + c.staged_offset, static_cast<size_t>(c.nbytes),
                                               cudaMemcpyHostToDevice, side.stream());
       if (err != cudaSuccess) {
         // Clear the runtime's last error, or torch's next launch check reports it instead of this message.
         (void)cudaGetLastError();
-        BMT_CHECK(false, "checkpoint load: copying ", c.nbytes, " bytes to cuda:", device, " (", it_name(c.item),
-                  ") failed: ", cudaGetErrorString(err));
+        BMT_CHECK(false, "checkpoint load: copying ", c.nbytes, " bytes to cuda:", device, " (",
+                  it_name(items[c.item]), ") failed: ", cudaGetErrorString(err));
       }
     }
     freed[slot].record(side);
@@ -126,6 +84,45 @@ void load_device(CheckpointReader& reader, int device, const std::vector<const I
 #endif
 
 }  // namespace
+
+std::vector<StagedChunk> plan_staged_load(const std::vector<std::vector<FileSpan>>& item_spans,
+                                          int64_t chunk_nbytes, int64_t block_nbytes) {
+  BMT_CHECK(chunk_nbytes > 0 && block_nbytes > 0, "plan_staged_load: chunk and block sizes must be positive");
+  const int64_t C = chunk_nbytes, B = block_nbytes;
+  std::vector<StagedChunk> chunks(1);
+  int64_t fill = 0;
+  for (size_t item = 0; item < item_spans.size(); ++item) {
+    for (const FileSpan& s : item_spans[item]) {
+      int64_t off = s.file_offset, n = s.nbytes, rel = s.dst_offset;
+      while (n > 0) {
+        if (fill == C) {
+          chunks.emplace_back();
+          fill = 0;
+        }
+        int64_t take = std::min(n, C - fill);
+        bool cut = false;
+        if (take < n) {  // the chunk ends inside this span: end it at a block boundary when there is one
+          const int64_t aligned = (off + take) / B * B - off;
+          if (aligned > 0) take = aligned;
+          cut = true;
+        }
+        StagedChunk& ch = chunks.back();
+        ch.spans.push_back({s.file, off, take, fill, nullptr});
+        StagedCopy* last = ch.copies.empty() ? nullptr : &ch.copies.back();
+        if (last && last->item == item && last->staged_offset + last->nbytes == fill &&
+            last->dst_offset + last->nbytes == rel)
+          last->nbytes += take;
+        else
+          ch.copies.push_back({fill, item, rel, take});
+        fill = cut ? C : fill + take;
+        off += take;
+        rel += take;
+        n -= take;
+      }
+    }
+  }
+  return chunks;
+}
 
 bool can_load_in_place(const EntryMeta& e, int64_t begin, int64_t end, const at::Tensor& dst) {
   if (!dst.defined() || !dst.is_contiguous() || dst.numel() != end - begin) return false;
