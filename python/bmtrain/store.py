@@ -78,11 +78,16 @@ def _load_file(file_name):
         return torch.load(file_name, map_location="cpu")
 
 
+_DTYPE_NAMES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool}
+
+
 def _dtypes_differ(model, file_name):
     want = {k: v.dtype for k, v in model.named_parameters()}
     want.update({k: v.dtype for k, v in model.named_buffers()})
     have = _C.tensor_file_dtypes(file_name)
-    return any(k in want and want[k] != dt for k, dt in have.items())
+    return any(k in want and want[k] != _DTYPE_NAMES.get(dt) for k, dt in have.items())
 
 
 def load(model, file_name, strict=True):

@@ -2,7 +2,6 @@
 // (init_parameters, state_dict, load_state_dict, consolidated save/load) over a holder of a Python model's tensors.
 #include "bmt/checkpoint/consolidated.h"
 #include "bmt/checkpoint/hf_dir.h"
-#include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
 #include "bmt/init.h"
 #include "bmt/param_init.h"
@@ -155,19 +154,17 @@ void bind_params(py::module_& m) {
         return std::make_pair(r.missing_keys, r.unexpected_keys);
       },
       py::arg("holder"), py::arg("path"), py::arg("strict") = true, py::call_guard<py::gil_scoped_release>());
-  // {key: dtype} of a consolidated file (.safetensors or torch.save's), read from its index only.
+  // {key: safetensors dtype name ("F32", "BF16", ...)} of a consolidated file (.safetensors or torch.save's), read
+  // from its index only.
   m.def(
       "tensor_file_dtypes",
       [](const std::string& path) {
-        std::map<std::string, at::ScalarType> out;
-        {
-          py::gil_scoped_release release;
-          auto reader = checkpoint::open_tensor_file(path);
-          for (const auto& t : reader->tensors()) out[t.name] = checkpoint::scalar_type_of(t.dtype);
-        }
+        std::map<std::string, std::string> out;
+        auto reader = checkpoint::open_tensor_file(path);
+        for (const auto& t : reader->tensors()) out[t.name] = t.dtype;
         return out;
       },
-      py::arg("path"));
+      py::arg("path"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "load_hf_safetensors",
       [](torch::nn::Module& holder, const std::string& dir,

@@ -130,7 +130,14 @@ void OptimManager::zero_grad() {
     if (auto* bmt_opt = dynamic_cast<BmtOptimizer*>(opt.get())) {
       bmt_opt->zero_grad(/*set_to_none=*/false);
     } else {
-      opt->zero_grad(/*set_to_none=*/false);
+      // In place, as Python's Optimizer.zero_grad(set_to_none=False): a Block's gradients are views of its shard
+      // buffer, which torch::optim::Optimizer::zero_grad would detach_() (refused for views).
+      at::NoGradGuard no_grad;
+      for (const auto& p : params_of(*opt)) {
+        if (!p.grad().defined()) continue;
+        if (p.grad().requires_grad()) p.mutable_grad() = p.grad().detach();
+        p.mutable_grad().zero_();
+      }
     }
   }
 }
