@@ -4,8 +4,9 @@ zero_grad, state_dict / load_state_dict in BMTrain's layout) whose step runs the
 bmt.lr_scheduler's schedulers write them there) and are handed to the engine before every update.
 
 Updates are AdamW-style (decoupled weight decay) for every dtype, with fp32 master weights and moments for
-half-precision parameters; with weight_decay=0 the update equals torch.optim.Adam. Gradients are the ones the
-engine keeps: `p.grad` for parameters that have it, else the fp32 shard gradient (bmt.main_grad(p)).
+half-precision parameters; with weight_decay=0 the update equals torch.optim.Adam. The gradient of each parameter
+is bmt.main_grad(p): the engine's fp32 gradient shard where it keeps one, else `p.grad` (fp32 parameters, plain
+torch parameters).
 """
 from collections.abc import Mapping
 
