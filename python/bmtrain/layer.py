@@ -1,5 +1,7 @@
 """DistributedModule (BMTrain's bmtrain.layer): reading a DistributedParameter in forward gives the full tensor;
 state_dict holds full tensors under the module's own keys and load_state_dict writes each rank's shard."""
+from collections import OrderedDict
+
 import torch
 
 from . import _C
@@ -28,7 +30,11 @@ def save_distributed(module, destination, prefix, keep_vars):
 
 def load_distributed(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     """Module._load_from_state_dict for modules holding DistributedParameters: checks each value's shape against
-    the parameter's logical shape and writes only this rank's shard; everything else loads as torch does."""
+    the parameter's logical shape and writes only this rank's shard; everything else loads as torch does. Load
+    pre-hooks run first (they may rename or convert keys), as in torch's and BMTrain's _load_from_state_dict."""
+    pre_hooks = module._load_state_dict_pre_hooks
+    for hook in pre_hooks.values():
+        hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
     dist = {k: p for k, p in module._parameters.items() if isinstance(p, DistributedParameter)}
     for name, param in dist.items():
         key = prefix + name
@@ -48,11 +54,13 @@ def load_distributed(module, state_dict, prefix, local_metadata, strict, missing
         _C.scatter_logical(param, value.to(param.dtype))
     saved = module.__dict__["_parameters"]
     module.__dict__["_parameters"] = {k: p for k, p in saved.items() if k not in dist}
+    module.__dict__["_load_state_dict_pre_hooks"] = OrderedDict()  # they ran above
     try:
         torch.nn.Module._load_from_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys,
                                               unexpected_keys, error_msgs)
     finally:
         module.__dict__["_parameters"] = saved
+        module.__dict__["_load_state_dict_pre_hooks"] = pre_hooks
     if strict:
         mine = {prefix + k for k in dist}
         unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]

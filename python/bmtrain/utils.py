@@ -1,4 +1,5 @@
-"""print_block, print_dict, print_rank, see_memory, AverageRecorder, main_grad (BMTrain's bmtrain.utils)."""
+"""print_block, print_dict, print_rank, see_memory, round_up, check_torch_version, tp_split_tensor, AverageRecorder,
+main_grad (BMTrain's bmtrain.utils)."""
 import sys
 
 import torch
@@ -13,19 +14,49 @@ def print_rank(*args, rank=0, **kwargs):
         print(*args, **kwargs)
 
 
+ROW_WIDTH = 60
+
+
+def round_up(x, d):
+    """(x + d - 1) // d * d"""
+    return (x + d - 1) // d * d
+
+
+def check_torch_version(version_str):
+    """BMTrain's: the running torch's version minus `version_str` ("x.y.z"), each encoded as x*10000+y*100+z."""
+    def encode(v):
+        a = [int(x) for x in v.split("+")[0].split(".")[:3]]
+        return a[0] * 10000 + a[1] * 100 + a[2]
+    return encode(torch.__version__) - encode(version_str)
+
+
 def print_block(title, content=None, file=sys.stdout):
-    if title is not None:
-        print("=" * 60, file=file)
-        print(title.center(60), file=file)
-    print("=" * 60, file=file)
+    """BMTrain's format: the title centred in a 60-column rule of "=", then the content."""
+    left = (ROW_WIDTH - len(title) - 2) // 2
+    right = ROW_WIDTH - len(title) - 2 - left
+    print("=" * left + " " + title + " " + "=" * right, file=file)
     if content is not None:
         print(content, file=file)
-        print("=" * 60, file=file)
 
 
 def print_dict(title, content, file=sys.stdout):
-    lines = [f"{k}: {v}" for k, v in content.items()]
-    print_block(title, "\n".join(lines), file=file)
+    """BMTrain's format: "key :" padded to a multiple of 4 columns, values wrapped at 60 columns."""
+    width = round_up(max(len(k) for k in content.keys()) + 3, 4)
+    out = ""
+    for k, v in content.items():
+        out += k + " :" + " " * (width - len(k) - 2)
+        text = "%s" % v or " "
+        row = ROW_WIDTH - width
+        for st in range(0, len(text), row):
+            if st > 0:
+                out += " " * width
+            out += text[st: st + row] + "\n"
+    print_block(title, out, file)
+
+
+def tp_split_tensor(tensor, split_dim):
+    """This tensor-parallel rank's chunk of `tensor` along split_dim (a contiguous copy)."""
+    return tensor.chunk(config["tp_size"], dim=split_dim)[config["topology"].tp_id].contiguous().clone()
 
 
 def see_memory(message, detail=False):

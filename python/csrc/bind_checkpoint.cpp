@@ -5,6 +5,7 @@
 #include "bmt/checkpoint/consolidated.h"
 #include "bmt/checkpoint/hf_dir.h"
 #include "bmt/checkpoint/sharded_checkpoint.h"
+#include "bmt/checkpoint/tensor_file.h"
 #include "bmt/optim/lr_scheduler.h"
 #include "bmt/optim/optim_manager.h"
 #include "bmt/optim/optimizer.h"
@@ -105,6 +106,17 @@ void bind_checkpoint(py::module_& m) {
         return std::make_pair(r.missing_keys, r.unexpected_keys);
       },
       py::arg("holder"), py::arg("path"), py::arg("strict") = true, py::call_guard<py::gil_scoped_release>());
+  // {key: safetensors dtype name ("F32", "BF16", ...)} of a consolidated file (.safetensors or torch.save's), read
+  // from its index only.
+  m.def(
+      "tensor_file_dtypes",
+      [](const std::string& path) {
+        std::map<std::string, std::string> out;
+        auto reader = checkpoint::open_tensor_file(path);
+        for (const auto& t : reader->tensors()) out[t.name] = t.dtype;
+        return out;
+      },
+      py::arg("path"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "load_hf_safetensors",
       [](torch::nn::Module& holder, const std::string& dir,

@@ -72,6 +72,49 @@ void set_option(AdamOptions& o, const std::string& key, py::handle value) {
   else if (key == "hold_steps") o.hold_steps(value.cast<int64_t>());
 }
 
+// A Python torch.optim optimizer (torch.optim.SGD, Adam, ...) as the engine's OptimManager sees it: one param group
+// holding the same tensors as the Python optimizer's groups (set_params refreshes them), step() runs the Python
+// optimizer's step() with the GIL taken. The manager checks these parameters' gradients for inf/NaN, divides them by
+// the loss scale and zeros them, as BMTrain's OptimManager does for torch optimizers. Its state belongs to Python:
+// save/load (the engine's sharded checkpoint) are refused.
+struct PyOptimizerOptions : torch::optim::OptimizerCloneableOptions<PyOptimizerOptions> {};
+
+class PyTorchOptimizer : public torch::optim::Optimizer {
+ public:
+  PyTorchOptimizer(py::object optimizer, std::vector<at::Tensor> params)
+      : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
+                                std::make_unique<PyOptimizerOptions>()),
+        optimizer_(std::move(optimizer)),
+        name_(py::str(py::type::of(optimizer_.get()).attr("__name__"))) {
+    set_params(std::move(params));
+  }
+
+  void set_params(std::vector<at::Tensor> params) {
+    param_groups_.clear();
+    param_groups_.emplace_back(std::move(params), std::make_unique<PyOptimizerOptions>());
+  }
+
+  at::Tensor step(LossClosure closure) override {
+    BMT_CHECK(closure == nullptr, "OptimManager: ", name_, ".step() takes no closure here");
+    py::gil_scoped_acquire gil;
+    optimizer_.get().attr("step")();
+    return {};
+  }
+
+  void save(torch::serialize::OutputArchive&) const override {
+    BMT_ERROR("bmt.save_checkpoint: the OptimManager holds torch.optim.", name_, ", whose state lives in Python; save "
+              "it with torch.save(optim_manager.state_dict(), path) (BMTrain's layout) instead");
+  }
+  void load(torch::serialize::InputArchive&) override {
+    BMT_ERROR("bmt.load_checkpoint: the OptimManager holds torch.optim.", name_, ", whose state lives in Python; load "
+              "it with optim_manager.load_state_dict(torch.load(path)) instead");
+  }
+
+ private:
+  PyRef optimizer_;
+  std::string name_;
+};
+
 }  // namespace
 
 void bind_optim(py::module_& m) {
@@ -90,13 +133,29 @@ void bind_optim(py::module_& m) {
       .def("group_options", [](BmtOptimizer& o, size_t g) { return options_dict(group_options(o, g)); })
       .def("set_group_option",
            [](BmtOptimizer& o, size_t g, const std::string& key, py::handle v) { set_option(group_options(o, g), key, v); })
-      .def("flat_params", &BmtOptimizer::flat_params);
+      .def("flat_params", &BmtOptimizer::flat_params)
+      .def("add_param_group",
+           [](BmtOptimizer& o, const std::vector<at::Tensor>& params, const py::dict& options) {
+             BMT_CHECK(!o.param_groups().empty(), "optimizer: no param group to take the defaults from");
+             py::list groups;
+             groups.append(py::make_tuple(params, options));
+             auto made = make_groups(groups, group_options(o, 0));
+             o.add_param_group(made.front());
+           },
+           py::arg("params"), py::arg("options"));
 
   py::class_<AdamBase, BmtOptimizer, std::shared_ptr<AdamBase>>(m, "AdamBase")
       .def("refresh_master", &AdamBase::refresh_master, py::call_guard<py::gil_scoped_release>())
       .def("state_step", [](AdamBase& a, const at::Tensor& p) -> int64_t {
         const optim::AdamState* s = a.find_state(p);
         return s ? s->step : 0;
+      })
+      // (step, exp_avg, exp_avg_sq, master or None) aliasing the live state, or None before p's first update.
+      .def("param_state", [](AdamBase& a, const at::Tensor& p) -> py::object {
+        const optim::AdamState* s = a.find_state(p);
+        if (s == nullptr) return py::none();
+        py::object master = s->master.defined() ? py::cast(s->master) : py::none();
+        return py::make_tuple(s->step, s->exp_avg, s->exp_avg_sq, master);
       });
 
   py::class_<AdamOptimizer, AdamBase, std::shared_ptr<AdamOptimizer>>(m, "AdamOptimizer")
@@ -125,6 +184,9 @@ void bind_optim(py::module_& m) {
         else o.set_grad_transfer_dtype(dtype.cast<at::ScalarType>());
       });
 
+  py::class_<PyTorchOptimizer, std::shared_ptr<PyTorchOptimizer>>(m, "PyTorchOptimizer")
+      .def("set_params", &PyTorchOptimizer::set_params);
+
   py::class_<optim::OffloadOverlap>(m, "OffloadOverlap")
       .def("remove", &optim::OffloadOverlap::remove, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("active", &optim::OffloadOverlap::active)
@@ -150,6 +212,15 @@ void bind_optim(py::module_& m) {
              mgr.add_optimizer(std::static_pointer_cast<torch::optim::Optimizer>(opt), std::move(sched));
            },
            py::arg("optimizer"), py::arg("lr_scheduler") = nullptr)
+      .def("add_torch_optimizer",
+           [](OptimManager& mgr, py::object optimizer, std::vector<at::Tensor> params) {
+             auto wrapped = std::make_shared<PyTorchOptimizer>(std::move(optimizer), std::move(params));
+             mgr.add_optimizer(wrapped);
+             return wrapped;
+           },
+           py::arg("optimizer"), py::arg("params"))
+      .def("set_loss_scale_state", &OptimManager::set_loss_scale_state, py::arg("loss_scale"), py::arg("enabled"),
+           py::arg("steps_since_last_scale"))
       .def("overlap_offload_with_backward", &OptimManager::overlap_offload_with_backward)
       .def("overlap_step_with_backward", &OptimManager::overlap_step_with_backward, py::arg("release_gradients") = true)
       .def("zero_grad", &OptimManager::zero_grad, py::call_guard<py::gil_scoped_release>())

@@ -230,3 +230,21 @@ TEST(OptimManager, BadOptionsAreErrors) {
   m.add_optimizer(opt);
   EXPECT_THROW(m.add_optimizer(opt), E);
 }
+
+TEST(OptimManager, SetLossScaleStateAlone) {
+  using E = bmt::core::Error;
+  OptimManager m(scaler(1024, 4, /*min=*/2, /*max=*/4096));
+  m.set_loss_scale_state(256, true, 3);
+  EXPECT_TRUE(m.loss_scale_enabled());
+  EXPECT_DOUBLE_EQ(m.loss_scale(), 256);
+  EXPECT_EQ(m.steps_since_last_scale(), 3);
+  EXPECT_DOUBLE_EQ(m.scale_loss(at::ones({1})).item<double>(), 256.0 / m.grad_scale());
+  m.set_loss_scale_state(123, false, 0);  // disabled: the scale is 1 whatever was passed
+  EXPECT_FALSE(m.loss_scale_enabled());
+  EXPECT_DOUBLE_EQ(m.loss_scale(), 1);
+  EXPECT_THROW(m.set_loss_scale_state(1, true, 0), E);       // below min_loss_scale 2
+  EXPECT_THROW(m.set_loss_scale_state(8192, true, 0), E);    // above max_loss_scale
+  EXPECT_THROW(m.set_loss_scale_state(256, true, -1), E);
+  EXPECT_THROW(m.set_loss_scale_state(std::nan(""), true, 0), E);
+  EXPECT_FALSE(m.loss_scale_enabled());  // a refused call changes nothing
+}

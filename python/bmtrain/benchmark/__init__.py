@@ -1,5 +1,6 @@
-"""bmtrain.benchmark: timings of the engine's collectives over the world (BMTrain's all_gather / reduce_scatter
-benchmarks, which bmtrain also imports so that bmt.benchmark works without an extra import)."""
+"""bmtrain.benchmark: timings of the engine's collectives over the world (BMTrain's all_gather, reduce_scatter and
+send_recv benchmarks, which bmtrain also imports so that bmt.benchmark works without an extra import). Sizes run
+from 1 KiB up to max_nbytes (BMTrain's go to 4 GiB)."""
 import time
 
 import torch
@@ -40,3 +41,16 @@ def reduce_scatter(max_nbytes=64 << 20, repeat=10):
     ws = config["world_size"]
     return _run("reduce_scatter", lambda x: _C.raw_reduce_scatter(x[: x.numel() // ws * ws], "sum", None) if
                 x.numel() >= ws else x, max_nbytes, repeat)
+
+
+def send_recv(max_nbytes=64 << 20, repeat=10):
+    """Even ranks send to the next rank, odd ranks receive from the previous one (BMTrain's pairing); with an odd
+    world size the last rank idles."""
+    r, ws = config["rank"], config["world_size"]
+    peer = r + 1 if r % 2 == 0 else r - 1
+    comm = config["comm"]
+
+    def once(x):
+        if peer < ws:
+            _C.nccl.batch_p2p([(r % 2 == 0, x, peer)], comm)
+    return _run("send_recv", once, max_nbytes, repeat)

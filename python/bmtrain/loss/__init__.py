@@ -3,6 +3,7 @@ vocabulary-parallel mode without full logits)."""
 import torch
 
 from .. import _C
+from . import _function  # noqa: F401  (BMTrain's bmtrain.loss._function)
 
 
 class FusedCrossEntropy(torch.nn.Module):

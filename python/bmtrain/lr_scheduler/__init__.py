@@ -1,118 +1,103 @@
-"""bmtrain.lr_scheduler: BMTrain's warm-up schedules. The built-in ones run in the engine (OptimManager steps them
-after each step that is not skipped) with BMTrain's formulas, t = num_iter, W = warmup_iter, E = end_iter,
-S = start_lr: warm-up S * t / W (Noam: S / sqrt(W) * t / W), so the first update uses lr 0 when W > 0, then
-NoDecay S, Noam S / sqrt(t), Linear S * (E - t) / (E - W), Cosine S / 2 * (1 + cos(pi (t - W) / (E - W))),
-Exponential S * gamma^(t - W); Linear and Cosine reach 0 at E and stay there (BMTrain's Cosine rises again).
+"""bmtrain.lr_scheduler: BMTrain 1.0.1's warm-up schedules, for any optimizer with param_groups (bmtrain's or
+torch.optim's). t = num_iter, W = warmup_iter, E = end_iter, S = start_lr: warm-up S * t / W (Noam: S / sqrt(W) *
+t / W), so the first update uses lr 0 when W > 0, then NoDecay S, Noam S / sqrt(t), Linear max(0, S * (E - t) /
+(E - W)), Cosine max(0, S / 2 * (1 + cos(pi (t - W) / max(1, E - W)))) (it rises again after E, as BMTrain's),
+Exponential max(0, S * gamma^(t - W)).
 
-A user subclass of WarmupLRScheduler that overrides get_lr_warmup / get_lr_decay runs in Python, stepped by
-OptimManager the same way."""
+step() writes the new lr into every param group; OptimManager steps the scheduler added with an optimizer after
+every step it does not skip. Subclasses override get_lr_warmup / get_lr_decay, as with BMTrain. (The C++ engine's
+schedulers, bmt::optim::lr_scheduler, serve C++ programs.)"""
 import math
-
-from .. import _C
 
 
 class WarmupLRScheduler:
     """Base class: WarmupLRScheduler(optimizer, start_lr, warmup_iter, end_iter, num_iter=0). The constructor
-    applies lr(num_iter) at once; step() advances num_iter by one (step(n) jumps to n) and writes the lr into every
-    param group."""
-    _engine_class = None
+    applies lr(num_iter) at once; step() advances num_iter by one (step(n) jumps to n)."""
 
-    def __init__(self, optimizer, start_lr, warmup_iter, end_iter, num_iter=0, **engine_kwargs):
+    def __init__(self, optimizer, start_lr, warmup_iter, end_iter, num_iter=0):
+        self.start_lr = start_lr
+        self.warmup_iter = warmup_iter
+        self.end_iter = end_iter
         self.optimizer = optimizer
-        if self._engine_class is not None and type(self).get_lr_warmup is WarmupLRScheduler.get_lr_warmup \
-                and type(self).get_lr_decay is type(self)._builtin_decay:
-            self._c = self._engine_class(optimizer._c, float(start_lr), int(warmup_iter), int(end_iter),
-                                         int(num_iter), **engine_kwargs)
-            self._c.warmup_from_zero(True)
-        else:
-            self._c = None
-            self._start_lr, self._warmup_iter, self._end_iter = start_lr, warmup_iter, end_iter
-            self._num_iter = num_iter
-            self._current_lr = 0.0
-            self.step(num_iter)
+        self.num_iter = num_iter
+        self._current_lr = None
+        self.step(self.num_iter)
 
-    _builtin_decay = None
-
-    # Python path (user subclasses) -------------------------------------------------------------------------------
     def get_lr_warmup(self, num_iter):
         return self.start_lr * num_iter / self.warmup_iter
 
     def get_lr_decay(self, num_iter):
-        raise NotImplementedError("a WarmupLRScheduler subclass must define get_lr_decay(num_iter)")
+        raise NotImplementedError(f"{type(self).__name__} must define get_lr_decay(num_iter)")
 
     def get_lr(self):
-        if self._c is not None:
-            return self._c.get_lr()
-        t = self._num_iter
-        return self.get_lr_warmup(t) if t < self._warmup_iter else self.get_lr_decay(t)
+        assert self.num_iter >= 0
+        if self.num_iter < self.warmup_iter:
+            return self.get_lr_warmup(self.num_iter)
+        return self.get_lr_decay(self.num_iter)
 
     @property
     def current_lr(self):
-        return self._c.current_lr if self._c is not None else self._current_lr
-
-    @property
-    def num_iter(self):
-        return self._c.num_iter if self._c is not None else self._num_iter
-
-    @property
-    def start_lr(self):
-        return self._c.start_lr if self._c is not None else self._start_lr
-
-    @property
-    def warmup_iter(self):
-        return self._c.warmup_iter if self._c is not None else self._warmup_iter
-
-    @property
-    def end_iter(self):
-        return self._c.end_iter if self._c is not None else self._end_iter
+        return self._current_lr
 
     def step(self, num_iter=None):
-        if self._c is not None:
-            if num_iter is None:
-                self._c.step()
-            else:
-                self._c.step_to(int(num_iter))
-            return
-        self._num_iter = self._num_iter + 1 if num_iter is None else int(num_iter)
-        self._current_lr = self.get_lr()
+        if num_iter is None:
+            num_iter = self.num_iter + 1
+        self.num_iter = num_iter
+        lr = self.get_lr()
+        self._current_lr = lr
         for group in self.optimizer.param_groups:
-            group["lr"] = self._current_lr
+            group["lr"] = lr
 
     def state_dict(self):
         return {"start_lr": self.start_lr, "warmup_iter": self.warmup_iter, "end_iter": self.end_iter,
                 "num_iter": self.num_iter}
 
     def load_state_dict(self, state_dict):
-        self.step(int(state_dict["num_iter"]))
+        self.start_lr = state_dict["start_lr"]
+        self.warmup_iter = state_dict["warmup_iter"]
+        self.end_iter = state_dict["end_iter"]
+        self.num_iter = state_dict["num_iter"]
+        self.step(self.num_iter)
 
 
-def _builtin(name, engine_class, doc):
-    def decay(self, num_iter):  # placeholder that marks "not overridden"; the engine computes the built-ins
-        raise AssertionError("built-in schedules are computed by the engine")
+class NoDecay(WarmupLRScheduler):
+    """Warm-up, then the constant start_lr."""
 
-    cls = type(name, (WarmupLRScheduler,), {"_engine_class": engine_class, "_builtin_decay": decay,
-                                            "get_lr_decay": decay, "__doc__": doc})
-    return cls
+    def get_lr_decay(self, num_iter):
+        return self.start_lr
 
 
-NoDecay = _builtin("NoDecay", _C.NoDecay, "Warm-up, then the constant start_lr.")
-Noam = _builtin("Noam", _C.Noam, "Noam: warm-up S/sqrt(W)*t/W, then S/sqrt(t).")
-Linear = _builtin("Linear", _C.Linear, "Warm-up, then linear decay to 0 at end_iter.")
-Cosine = _builtin("Cosine", _C.Cosine, "Warm-up, then cosine decay to 0 at end_iter.")
+class Noam(WarmupLRScheduler):
+    """Warm-up S / sqrt(W) * t / W, then S / sqrt(t)."""
+
+    def get_lr_warmup(self, num_iter):
+        return self.start_lr / math.sqrt(self.warmup_iter) * num_iter / self.warmup_iter
+
+    def get_lr_decay(self, num_iter):
+        return self.start_lr / math.sqrt(num_iter)
+
+
+class Linear(WarmupLRScheduler):
+    """Warm-up, then linear decay to 0 at end_iter (0 after it)."""
+
+    def get_lr_decay(self, num_iter):
+        return max(0.0, self.start_lr * (self.end_iter - num_iter) / (self.end_iter - self.warmup_iter))
+
+
+class Cosine(WarmupLRScheduler):
+    """Warm-up, then cosine decay to 0 at end_iter (rising again after it, as BMTrain's)."""
+
+    def get_lr_decay(self, num_iter):
+        progress = (num_iter - self.warmup_iter) / max(1, (self.end_iter - self.warmup_iter))
+        return max(0.0, self.start_lr * 0.5 * (1.0 + math.cos(progress * math.pi)))
 
 
 class Exponential(WarmupLRScheduler):
     """Warm-up, then start_lr * gamma^(t - warmup_iter)."""
-    _engine_class = _C.Exponential
 
     def __init__(self, optimizer, start_lr, warmup_iter, end_iter, num_iter=0, gamma=0.95):
-        self.gamma = gamma
-        super().__init__(optimizer, start_lr, warmup_iter, end_iter, num_iter, gamma=float(gamma))
+        self.gamma = gamma  # before the first step (BMTrain sets it after, failing when num_iter >= warmup_iter)
+        super().__init__(optimizer, start_lr, warmup_iter, end_iter, num_iter)
 
-    def _builtin_decay(self, num_iter):
-        raise AssertionError("computed by the engine")
-
-    get_lr_decay = _builtin_decay
-
-
-del math
+    def get_lr_decay(self, num_iter):
+        return max(0.0, self.start_lr * self.gamma ** (num_iter - self.warmup_iter))

@@ -1,7 +1,21 @@
 """OptimManager (BMTrain's bmtrain.optim.OptimManager): loss scaling, the global inf/NaN check, clipping and
-LR scheduling over several optimizers, run by the engine (bmt::optim::OptimManager)."""
+LR scheduling over several optimizers (bmtrain's and torch.optim's), run by the engine (bmt::optim::OptimManager);
+LR schedulers are stepped here after every step the engine did not skip."""
+import torch
+
 from .. import _C
 from ..global_var import config
+from .adam import _BmtOptimizer
+
+
+def _params_of(optimizer):
+    seen, out = set(), []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
 
 
 class OptimManager:
@@ -18,18 +32,31 @@ class OptimManager:
                                   float(min_loss_scale), float(max_loss_scale), float(grad_scale))
         self.optimizers = []
         self.lr_schedulers = []
-        self._python_schedulers = []  # user subclasses of WarmupLRScheduler, stepped here
+        self._torch_handles = []  # (torch optimizer, its engine handle)
 
     def add_optimizer(self, optimizer, lr_scheduler=None):
-        if not getattr(optimizer, "_bmtrain_optimizer", False) or not hasattr(optimizer, "_c"):
-            raise TypeError(f"OptimManager.add_optimizer: {type(optimizer).__name__} is not a bmtrain optimizer; use "
-                            "bmt.optim.AdamOptimizer or bmt.optim.AdamOffloadOptimizer")
-        engine_sched = getattr(lr_scheduler, "_c", None)
-        self._c.add_optimizer(optimizer._c, engine_sched)
-        if lr_scheduler is not None and engine_sched is None:
-            self._python_schedulers.append(lr_scheduler)
+        """bmtrain's optimizers (stepped by the engine with the loss scale) or any torch.optim.Optimizer (its
+        gradients checked for inf/NaN with the others, divided by the loss scale, then its own step()), with an
+        optional LR scheduler (anything with step(): bmt.lr_scheduler's or torch's), stepped after every step that
+        is not skipped."""
+        if isinstance(optimizer, _BmtOptimizer):
+            self._c.add_optimizer(optimizer._c, None)
+            optimizer._manager = self
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            self._torch_handles.append((optimizer, self._c.add_torch_optimizer(optimizer, _params_of(optimizer))))
+        else:
+            raise TypeError(f"OptimManager.add_optimizer: {type(optimizer).__name__} is not a torch.optim.Optimizer "
+                            "(use bmt.optim.AdamOptimizer, AdamOffloadOptimizer or a torch.optim optimizer)")
         self.optimizers.append(optimizer)
         self.lr_schedulers.append(lr_scheduler)
+
+    def _sync(self):
+        """Hands the Python side's current options and parameter lists to the engine before it runs."""
+        for opt in self.optimizers:
+            if isinstance(opt, _BmtOptimizer):
+                opt._push_options()
+        for opt, handle in self._torch_handles:
+            handle.set_params(_params_of(opt))
 
     def overlap_offload_with_backward(self):
         """Starts each Block's CPU Adam update (AdamOffloadOptimizer) as soon as the Block's gradients are reduced,
@@ -50,18 +77,24 @@ class OptimManager:
         return self._c.scale_loss(loss)
 
     def backward(self, loss):
+        self._sync()  # overlapped updates start during the backward
         self._c.backward(loss)
 
     def zero_grad(self):
+        self._sync()
         self._c.zero_grad()
 
     def step(self):
         """Steps every optimizer and LR scheduler unless a gradient is inf/NaN on some rank; then the step is
         skipped everywhere, gradients are zeroed and the loss scale lowered. Returns False when skipped."""
+        self._sync()
         stepped = self._c.step()
         if stepped:
-            for s in self._python_schedulers:
-                s.step()
+            for opt in self.optimizers:  # torch's LR schedulers check that the optimizer stepped
+                opt._opt_called = True
+            for s in self.lr_schedulers:
+                if s is not None:
+                    s.step()
         return stepped
 
     def clip_grad_norm(self, param_groups, max_norm, norm_type=2, eps=1e-6):
@@ -76,28 +109,44 @@ class OptimManager:
         return self._c.clip_grad_norm(params, float(max_norm), float(norm_type), float(eps))
 
     def state_dict(self, gather_opt=False):
-        if gather_opt:
-            raise NotImplementedError("OptimManager.state_dict(gather_opt=True): use bmt.save_checkpoint(...), "
-                                      "whose optimizer state loads at any world size")
-        sd = dict(self._c.state_dict())
-        for i, s in enumerate(self.lr_schedulers):
-            if s is not None and getattr(s, "_c", None) is None:
-                import torch
-                sd[f"python_lr_schedulers.{i}.num_iter"] = torch.tensor([s.num_iter], dtype=torch.int64)
-        return sd
+        """BMTrain's layout: {"optimizers": [each optimizer's state_dict()], "lr_schedulers": [state_dict() or None],
+        "loss_scale", "loss_scale_enabled"}, plus "steps_since_last_scale" (BMTrain's load ignores it)."""
+        opts = [o.state_dict(gather_opt) if isinstance(o, _BmtOptimizer) else o.state_dict() for o in self.optimizers]
+        return {
+            "optimizers": opts,
+            "lr_schedulers": [s.state_dict() if s is not None else None for s in self.lr_schedulers],
+            "loss_scale": self.loss_scale,
+            "loss_scale_enabled": self.loss_scale_enabled,
+            "steps_since_last_scale": self.steps_since_last_scale,
+        }
 
-    def load_state_dict(self, state):
-        state = dict(state)
-        extra = {k: state.pop(k) for k in list(state) if k.startswith("python_lr_schedulers.")}
-        self._c.load_state_dict(state)
-        for i, s in enumerate(self.lr_schedulers):
-            key = f"python_lr_schedulers.{i}.num_iter"
-            if key in extra:
-                s.step(int(extra[key][0]))
+    def load_state_dict(self, state_dict):
+        """Loads BMTrain's layout (from BMTrain's OptimManager.state_dict() or ours)."""
+        assert len(self.optimizers) == len(state_dict["optimizers"]), (
+            f"OptimManager.load_state_dict: the state has {len(state_dict['optimizers'])} optimizers, this manager "
+            f"{len(self.optimizers)}")
+        assert len(self.lr_schedulers) == len(state_dict["lr_schedulers"]), (
+            f"OptimManager.load_state_dict: the state has {len(state_dict['lr_schedulers'])} LR schedulers, this "
+            f"manager {len(self.lr_schedulers)}")
+        # The loss scale first: AdamOptimizer's fp16 moments are saved multiplied by it.
+        self._c.set_loss_scale_state(float(state_dict["loss_scale"]), bool(state_dict["loss_scale_enabled"]),
+                                     int(state_dict.get("steps_since_last_scale", 0)))
+        for opt, st in zip(self.optimizers, state_dict["optimizers"]):
+            opt.load_state_dict(st)
+        for s, st in zip(self.lr_schedulers, state_dict["lr_schedulers"]):
+            if s is not None and st is not None:
+                s.load_state_dict(st)
 
-    loss_scale = property(lambda self: self._c.loss_scale)
-    loss_scale_enabled = property(lambda self: self._c.loss_scale_enabled)
-    steps_since_last_scale = property(lambda self: self._c.steps_since_last_scale)
+    def _set_scale_state(self, scale=None, enabled=None, steps=None):
+        self._c.set_loss_scale_state(float(self.loss_scale if scale is None else scale),
+                                     bool(self.loss_scale_enabled if enabled is None else enabled),
+                                     int(self.steps_since_last_scale if steps is None else steps))
+
+    loss_scale = property(lambda self: self._c.loss_scale, lambda self, v: self._set_scale_state(scale=v))
+    loss_scale_enabled = property(lambda self: self._c.loss_scale_enabled,
+                                  lambda self, v: self._set_scale_state(enabled=v))
+    steps_since_last_scale = property(lambda self: self._c.steps_since_last_scale,
+                                      lambda self, v: self._set_scale_state(steps=v))
     loss_scale_factor = property(lambda self: self._c.loss_scale_factor)
     loss_scale_steps = property(lambda self: self._c.loss_scale_steps)
     min_loss_scale = property(lambda self: self._c.min_loss_scale)

@@ -105,9 +105,9 @@ TensorFileFormat tensor_file_format(const std::string& path) {
   auto ends_with = [&](const std::string& s) {
     return path.size() >= s.size() && path.compare(path.size() - s.size(), s.size(), s) == 0;
   };
-  if (ends_with(".safetensors")) return TensorFileFormat::kSafetensors;
-  if (ends_with(".pt") || ends_with(".pth")) return TensorFileFormat::kTorchPickle;
-  BMT_ERROR("unknown checkpoint file format for ", path, ": use the extension .safetensors or .pt (.pth)");
+  // Every other name is torch.save's format, as BMTrain's save (torch.save regardless of the extension: model.ckpt,
+  // model.bin, ...) writes it.
+  return ends_with(".safetensors") ? TensorFileFormat::kSafetensors : TensorFileFormat::kTorchPickle;
 }
 
 std::unique_ptr<TensorFileWriter> create_tensor_file(const std::string& path, const std::vector<TensorInfo>& tensors,

@@ -1,7 +1,7 @@
 // Consolidated tensor files (one file, full tensors under the model's keys), streamed: the writer receives the
 // tensors' bytes in order and the reader hands out byte ranges of one tensor at a time.
 //
-// Formats, by extension:
+// Formats, by extension (any name other than *.safetensors is torch.save's format, as with BMTrain's save):
 //   .safetensors  own reader/writer (safetensors_format.h). Writing streams straight to the file: the writer
 //                 buffers nothing. Reading preads exactly the requested range.
 //   .pt / .pth    the zip archive torch.save writes (readable by Python's torch.load, also weights_only=True): a
@@ -28,7 +28,7 @@
 namespace bmt::checkpoint {
 
 enum class TensorFileFormat { kSafetensors, kTorchPickle };
-// By extension (.safetensors, .pt, .pth); throws on anything else.
+// By extension: .safetensors, anything else (.pt, .pth, .ckpt, .bin, ...) torch.save's format.
 TensorFileFormat tensor_file_format(const std::string& path);
 
 class TensorFileWriter {

@@ -130,7 +130,14 @@ void OptimManager::zero_grad() {
     if (auto* bmt_opt = dynamic_cast<BmtOptimizer*>(opt.get())) {
       bmt_opt->zero_grad(/*set_to_none=*/false);
     } else {
-      opt->zero_grad(/*set_to_none=*/false);
+      // In place, as Python's Optimizer.zero_grad(set_to_none=False): a Block's gradients are views of its shard
+      // buffer, which torch::optim::Optimizer::zero_grad would detach_() (refused for views).
+      at::NoGradGuard no_grad;
+      for (const auto& p : params_of(*opt)) {
+        if (!p.grad().defined()) continue;
+        if (p.grad().requires_grad()) p.mutable_grad() = p.grad().detach();
+        p.mutable_grad().zero_();
+      }
     }
   }
 }
@@ -227,6 +234,23 @@ bool OptimManager::step() {
     }
   }
   return true;
+}
+
+void OptimManager::set_loss_scale_state(double loss_scale, bool enabled, int64_t steps_since_last_scale) {
+  BMT_CHECK(steps_since_last_scale >= 0, "OptimManager: steps_since_last_scale must be >= 0, got ",
+            steps_since_last_scale);
+  if (enabled) {
+    BMT_CHECK(std::isfinite(loss_scale) && loss_scale > 0, "OptimManager: loss_scale must be a finite number > 0, got ",
+              loss_scale);
+    BMT_CHECK(loss_scale >= options_.min_loss_scale && loss_scale <= options_.max_loss_scale, "OptimManager: loss_scale ",
+              loss_scale, " is outside [min_loss_scale, max_loss_scale] = [", options_.min_loss_scale, ", ",
+              options_.max_loss_scale, "]");
+    BMT_CHECK(!active_overlap(), "OptimManager: cannot turn dynamic loss scaling on while an overlap handle is "
+              "active (its early updates cannot be skipped); remove the handle first");
+  }
+  loss_scale_enabled_ = enabled;
+  loss_scale_ = enabled ? loss_scale : 1.0;
+  steps_since_last_scale_ = steps_since_last_scale;
 }
 
 double OptimManager::clip_grad_norm(double max_norm, double norm_type, double eps) {

@@ -93,6 +93,9 @@ class OptimManager {
   // state_dict() whose optimizer tensors may alias the live state (BmtOptimizer::state_dict_views).
   StateDict state_dict_views() const;
   void load_state_dict(const StateDict& sd);
+  // Sets the loss-scale state alone (BMTrain's OptimManager.load_state_dict format keeps the optimizers' states
+  // apart): scale > 0 and within [min_loss_scale, max_loss_scale] when enabled; disabled means scale 1.
+  void set_loss_scale_state(double loss_scale, bool enabled, int64_t steps_since_last_scale);
 
   double loss_scale() const { return loss_scale_; }
   bool loss_scale_enabled() const { return loss_scale_enabled_; }
