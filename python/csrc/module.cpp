@@ -10,4 +10,5 @@ PYBIND11_MODULE(_C, m) {
   bmt::python::bind_inspect(m);
   bmt::python::bind_estimate(m);
   bmt::python::bind_pipeline(m);
+  bmt::python::bind_tp(m);
 }

@@ -55,5 +55,6 @@ void bind_optim(py::module_& m);
 void bind_inspect(py::module_& m);
 void bind_estimate(py::module_& m);
 void bind_pipeline(py::module_& m);
+void bind_tp(py::module_& m);
 
 }  // namespace bmt::python
