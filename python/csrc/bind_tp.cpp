@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "bmt/core/error.h"
 #include "bmt/nn/tp_layer_ops.h"
 #include "bmt/nn/tp_ops.h"
 #include "bmt/nn/tp_overlap.h"

@@ -139,8 +139,8 @@ class RowParallelLinear(DistributedModule):
                                            init_method=torch.nn.init.xavier_normal_, tp_split_dim=1, tp_mode=True)
         self.bias = (DistributedParameter(torch.empty(out_features, dtype=dt), init_method=torch.nn.init.zeros_,
                                           tp_split_dim=-1, tp_mode=True) if bias else None)
-        if self.bias is not None:
-            _tp.set_grad_reduce(self.bias, _tp.row_parallel_bias_grad_reduce(bool(all_reduce_output)))
+        if bias:  # the parameter itself (self.bias outside a Block reads a gathered copy)
+            _tp.set_grad_reduce(self._parameters["bias"], _tp.row_parallel_bias_grad_reduce(bool(all_reduce_output)))
 
     def forward(self, input):
         return _tp.row_parallel_linear(input, self.weight, self.bias, bool(self.split_input),
