@@ -215,7 +215,10 @@ def gpt_tp2_equals_unsplit():
         manager.step()
         ref_opt.step()
     for k, v in model.state_dict().items():
-        assert_close(f"after {STEPS} steps: {k}", v.to(device()), ref.state_dict()[k], rtol=1e-4, atol=1e-5)
+        # project_k.bias: its gradient is 0 in exact arithmetic (softmax ignores a shift shared by every key), so
+        # Adam's normalised step turns rounding noise into updates of either sign; it changes no output.
+        if not k.endswith("project_k.bias"):
+            assert_close(f"after {STEPS} steps: {k}", v.to(device()), ref.state_dict()[k], rtol=1e-4, atol=1e-5)
 
 
 if __name__ == "__main__":
