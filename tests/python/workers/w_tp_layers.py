@@ -65,8 +65,9 @@ def column_parallel_linear():
                 layer = bmt.nn.ColumnParallelLinear(IN, HID, bias=True, dtype=torch.float32,
                                                     gather_input=gather_input, gather_output=gather_output)
                 bmt.init_parameters(layer)
-                if tuple(layer.weight._original_shape) != (HID // tp, IN):
-                    raise AssertionError(f"{what}: weight piece {tuple(layer.weight._original_shape)}")
+                piece = tuple(layer._parameters["weight"]._original_shape)
+                if piece != (HID // tp, IN):
+                    raise AssertionError(f"{what}: weight piece {piece}")
                 ref = load_ref(layer, torch.nn.Linear(IN, HID))
                 X = lambda dd: randn(tp * R, IN, seed=10 + dd)
                 G = lambda dd: randn(tp * R, HID, seed=20 + dd)
@@ -122,9 +123,10 @@ def vp_embedding_different_ids_per_rank():
     emb = bmt.nn.VPEmbedding(V, D, dtype=torch.float32)
     bmt.init_parameters(emb)
     table = emb.state_dict()["weight"].to(device())
-    if tuple(table.shape) != (V, D) or tuple(emb.weight._original_shape) != (V // tp, D):
+    weight = emb._parameters["weight"]  # the parameter (emb.weight outside a Block reads a gathered copy)
+    if tuple(table.shape) != (V, D) or tuple(weight._original_shape) != (V // tp, D):
         raise AssertionError(f"VPEmbedding shapes: state_dict {tuple(table.shape)}, piece "
-                             f"{tuple(emb.weight._original_shape)}")
+                             f"{tuple(weight._original_shape)}")
     ids_of = lambda dd: torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(50 + dd)).to(device())
     G = lambda dd: randn(B, S, D, seed=60 + dd)
     H = lambda dd: randn(B, S // tp * tp, D, seed=70 + dd)  # the projection's input before the split
@@ -150,7 +152,7 @@ def vp_embedding_different_ids_per_rank():
     assert_close("projection (this rank's vocabulary slice)", lg, cols(per_dp[d][1], tp, r))
     ((out * G(d)[:, seq]).sum() + (lg.reshape(B * S, V // tp) * cols(GL(d), tp, r)).sum()).backward()
     assert_close("projection input grad", h.grad, per_dp[d][2].grad[:, seq])
-    assert_close("table grad: every rank's tokens reach the row's owner", logical_grad(emb.weight), td.grad,
+    assert_close("table grad: every rank's tokens reach the row's owner", logical_grad(weight), td.grad,
                  rtol=1e-4, atol=1e-5)
 
 
