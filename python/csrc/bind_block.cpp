@@ -1,13 +1,11 @@
-// bmtrain._C: Blocks and block lists whose forward function is Python code (engine/block.h, engine/block_list.h)
-// and the tensor-parallel ops.
+// bmtrain._C: Blocks and block lists whose forward function is Python code (engine/block.h, engine/block_list.h).
+// Tensor parallelism: bind_tp.cpp.
 #include <pybind11/stl.h>
 
 #include <optional>
 
 #include "bmt/engine/block.h"
 #include "bmt/engine/block_list.h"
-#include "bmt/nn/tp_ops.h"
-#include "bmt/nn/tp_overlap.h"
 #include "py_support.h"
 
 namespace bmt::python {
@@ -74,26 +72,6 @@ void bind_block(py::module_& m) {
       .def("__len__", &TransformerBlockList::size)
       .def_property_readonly("prefetch_depth", &TransformerBlockList::prefetch_depth);
 
-  const auto opt = [](const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); };
-  py::module_ tp = m.def_submodule("tp", "tensor-parallel autograd ops over config()['tp_comm']");
-  tp.def("copy_to_tp", &tp::copy_to_tp, py::call_guard<py::gil_scoped_release>());
-  tp.def("reduce_from_tp", &tp::reduce_from_tp, py::call_guard<py::gil_scoped_release>());
-  tp.def("gather_last_dim", &tp::gather_last_dim, py::call_guard<py::gil_scoped_release>());
-  tp.def("split_last_dim", &tp::split_last_dim, py::call_guard<py::gil_scoped_release>());
-  tp.def("gather_rows", &tp::gather_rows, py::call_guard<py::gil_scoped_release>());
-  tp.def("reduce_scatter_rows", &tp::reduce_scatter_rows, py::call_guard<py::gil_scoped_release>());
-  tp.def("split_rows", &tp::split_rows, py::call_guard<py::gil_scoped_release>());
-  tp.def(
-      "gather_rows_linear",
-      [opt](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t chunks) {
-        return tp::gather_rows_linear(x, weight, opt(bias), chunks);
-      },
-      py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("chunks") = 2,
-      py::call_guard<py::gil_scoped_release>());
-  tp.def("linear_reduce_scatter_rows", &tp::linear_reduce_scatter_rows, py::arg("input"), py::arg("weight"),
-         py::arg("chunks") = 2, py::call_guard<py::gil_scoped_release>());
-  tp.def("overlap_chunks", &tp::overlap_chunks);
-  tp.def("set_overlap_chunks", &tp::set_overlap_chunks, py::arg("chunks"));
 }
 
 }  // namespace bmt::python

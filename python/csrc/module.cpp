@@ -15,4 +15,5 @@ PYBIND11_MODULE(_C, m) {
   bmt::python::bind_estimate(m);
   bmt::python::bind_pipeline(m);
   bmt::python::bind_nccl(m);
+  bmt::python::bind_tp(m);
 }

@@ -60,5 +60,6 @@ void bind_inspect(py::module_& m);
 void bind_estimate(py::module_& m);
 void bind_pipeline(py::module_& m);
 void bind_nccl(py::module_& m);
+void bind_tp(py::module_& m);
 
 }  // namespace bmt::python

@@ -9,6 +9,7 @@
 #include "bmt/engine/block.h"
 #include "bmt/nn/layers.h"
 #include "bmt/nn/parallel_layers.h"
+#include "bmt/nn/tp_layer_ops.h"
 #include "bmt/nn/tp_ops.h"
 #include "bmt/optim/grad_utils.h"
 #include "run_ranks.h"
@@ -102,17 +103,20 @@ void row_case(bool split_input, bool all_reduce_output) {
   bmt::nn::RowParallelLinear layer(in, out, true, at::kFloat, split_input, all_reduce_output);
   bmt::scatter_logical(layer->weight, w);
   bmt::scatter_logical(layer->bias, b);
-  at::Tensor xin = (split_input ? x : cols_chunk(x)).requires_grad_();
+  // split_input (BMTrain's): all features, rows split over tp; else this rank's features of every row.
+  at::Tensor xin = (split_input ? rows_chunk(x) : cols_chunk(x)).requires_grad_();
   at::Tensor y = layer->forward(xin);
   const std::string what = std::string("row split_input=") + (split_input ? "1" : "0") +
                            " all_reduce_output=" + (all_reduce_output ? "1" : "0");
   expect_close(y, all_reduce_output ? d.y : rows_chunk(d.y), what + " output");
   (y * (all_reduce_output ? g : rows_chunk(g))).sum().backward();
-  expect_close(xin.grad(), split_input ? d.x.grad() : cols_chunk(d.x.grad()), what + " input grad");
+  expect_close(xin.grad(), split_input ? rows_chunk(d.x.grad()) : cols_chunk(d.x.grad()), what + " input grad");
   expect_close(logical_grad(layer->weight), dp * d.w.grad(), what + " weight grad");
   expect_close(logical_grad(layer->bias), dp * d.b.grad(), what + " bias grad");
 }
 
+// BMTrain's VPEmbedding: each tp rank looks up its OWN ids. Sequence parallel: rank r's ids are the r-th chunk of
+// the tokens (different per rank) and the table gradient sums every rank's tokens; otherwise every rank has all ids.
 void embedding_case(bool sequence_parallel) {
   const auto& c = bmt::config();
   const int dp = c.tp_zero_size;
@@ -120,8 +124,8 @@ void embedding_case(bool sequence_parallel) {
   at::manual_seed(13);
   at::Tensor table = at::randn({vocab, dim});
   at::Tensor ids = at::randint(vocab, {rows}, at::kLong);
-  ids[0] = vocab - 1;  // both ends of the vocabulary
-  ids[1] = 0;
+  ids[0] = vocab - 1;  // both ends of the vocabulary, in different ranks' chunks
+  ids[rows - 1] = 0;
   at::Tensor g = at::randn({rows, dim}), h = at::randn({rows, dim}), gl = at::randn({rows, vocab});
   // Dense: e = table[ids]; logits = h table^T; objective sum(e * g) + sum(logits * gl).
   at::Tensor td = table.clone().requires_grad_(), hd = h.clone().requires_grad_();
@@ -131,14 +135,66 @@ void embedding_case(bool sequence_parallel) {
   bmt::nn::VPEmbedding emb(vocab, dim, at::kFloat, bmt::init::normal(0, 1), sequence_parallel);
   bmt::scatter_logical(emb->weight, table);
   const std::string what = std::string("vp_embedding sequence_parallel=") + (sequence_parallel ? "1" : "0");
-  at::Tensor out = emb->forward(ids);
-  expect_close(out, sequence_parallel ? rows_chunk(e) : e, what + " lookup");
-  at::Tensor hin = (sequence_parallel ? rows_chunk(h) : h).requires_grad_();
+  auto mine = [&](const at::Tensor& t) { return sequence_parallel ? rows_chunk(t) : t; };
+  at::Tensor out = emb->forward(mine(ids));
+  expect_close(out, mine(e), what + " lookup");
+  at::Tensor hin = mine(h).requires_grad_();
   at::Tensor lg = emb->projection(hin);
   expect_close(lg, cols_chunk(logits), what + " projection");
-  ((out * (sequence_parallel ? rows_chunk(g) : g)).sum() + (lg * cols_chunk(gl)).sum()).backward();
-  expect_close(hin.grad(), sequence_parallel ? rows_chunk(hd.grad()) : hd.grad(), what + " projection input grad");
+  ((out * mine(g)).sum() + (lg * cols_chunk(gl)).sum()).backward();
+  expect_close(hin.grad(), mine(hd.grad()), what + " projection input grad");
   expect_close(logical_grad(emb->weight), dp * td.grad(), what + " weight grad");
+  // 3-dim input: BMTrain's (x.size(0), -1, vocab/tp) of the gathered rows, i.e. the whole sequence for batch 1.
+  at::Tensor lg3 = emb->projection(mine(h).unsqueeze(0));
+  expect_close(lg3, cols_chunk(logits).unsqueeze(0), what + " projection of (1, rows, dim)");
+}
+
+// forward_replicated_ids (the C++ models' token rows): the same ids on every tp rank, this rank's rows back
+// (sequence parallel) or all of them, without gathering the table.
+void embedding_replicated_ids_case(bool sequence_parallel) {
+  const auto& c = bmt::config();
+  const int dp = c.tp_zero_size;
+  const int64_t vocab = 16, dim = 5, rows = 8;
+  at::manual_seed(19);
+  at::Tensor table = at::randn({vocab, dim}), ids = at::randint(vocab, {rows}, at::kLong), g = at::randn({rows, dim});
+  at::Tensor td = table.clone().requires_grad_();
+  at::Tensor e = at::embedding(td, ids);
+  (e * g).sum().backward();
+  bmt::nn::VPEmbedding emb(vocab, dim, at::kFloat, bmt::init::normal(0, 1), sequence_parallel);
+  bmt::scatter_logical(emb->weight, table);
+  const std::string what = std::string("vp_embedding replicated ids sequence_parallel=") + (sequence_parallel ? "1" : "0");
+  auto mine = [&](const at::Tensor& t) { return sequence_parallel ? rows_chunk(t) : t; };
+  at::Tensor out = emb->forward_replicated_ids(ids);
+  expect_close(out, mine(e), what + " lookup");
+  (out * mine(g)).sum().backward();
+  expect_close(logical_grad(emb->weight), dp * td.grad(), what + " weight grad");
+}
+
+// BMTrain's OpParallelLinear.apply: the bias is added on every rank before the reduction (tp · bias in the output),
+// and gather_input + split_input + reduce-scatter is BMTrain's split_input row layout.
+void op_parallel_linear_case() {
+  const auto& c = bmt::config();
+  const int64_t tp = c.tp_size, rows = 8, in = 12, out = 5;
+  at::manual_seed(23);
+  at::Tensor x = at::randn({rows, in}), w = at::randn({out, in}), b = at::randn({out}), g = at::randn({rows, out});
+  Dense d = dense_linear(x, w, b, g);
+  {  // this rank's features, all rows; all-reduced output with the bias inside
+    at::Tensor xin = cols_chunk(x).requires_grad_(), wr = cols_chunk(w).requires_grad_(), br = b.clone().requires_grad_();
+    at::Tensor y = bmt::nn::op_parallel_linear(xin, wr, br, false, false, false, bmt::nn::TpReduce::kAllReduce);
+    expect_close(y, d.y + (tp - 1) * b, "op_parallel_linear all_reduce output (tp * bias)");
+    (y * g).sum().backward();
+    expect_close(xin.grad(), cols_chunk(d.x.grad()), "op_parallel_linear all_reduce input grad");
+    expect_close(wr.grad(), cols_chunk(d.w.grad()), "op_parallel_linear all_reduce weight grad");
+    expect_close(br.grad(), d.b.grad(), "op_parallel_linear all_reduce bias grad");
+  }
+  {  // all features, rows split; gathered, own features, reduce-scattered rows
+    at::Tensor xin = rows_chunk(x).requires_grad_(), wr = cols_chunk(w).requires_grad_();
+    at::Tensor y = bmt::nn::op_parallel_linear(xin, wr, at::Tensor(), true, false, true, bmt::nn::TpReduce::kReduceScatter);
+    expect_close(y, rows_chunk(d.y - b), "op_parallel_linear split_input reduce_scatter output");
+    (y * rows_chunk(g)).sum().backward();
+    expect_close(xin.grad(), rows_chunk(d.x.grad()), "op_parallel_linear split_input reduce_scatter input grad");
+    expect_close(wr.grad(), cols_chunk(d.w.grad()), "op_parallel_linear split_input reduce_scatter weight grad");
+  }
 }
 
 void all_layer_cases() {
@@ -148,6 +204,8 @@ void all_layer_cases() {
   for (bool si : {false, true})
     for (bool ar : {false, true}) row_case(si, ar);
   for (bool sp : {false, true}) embedding_case(sp);
+  for (bool sp : {false, true}) embedding_replicated_ids_case(sp);
+  op_parallel_linear_case();
 }
 
 TEST(ParallelLayers, Tp2) { run_ranks(2, all_layer_cases, tp_init(2)); }

@@ -3,7 +3,7 @@
 // values and gradients are exact and the expected results are computed here by hand, not by another tp op:
 //   x_r[k] = 1 + r + k % 5 (a rank's own input), W_r[k] = 1 + (k + r) % 3 (rank r's loss weights).
 // Objectives, following tp_ops.h's convention:
-//   * ops whose output is replicated over tp (reduce_from_tp, gather_last_dim): one loss sum(W * y) with the same
+//   * ops whose output is replicated over tp (reduce_from_tp, gather_last_dim, gather_rows_replicated): one loss sum(W * y) with the same
 //     W on every rank, so each rank's input gradient is its part of W (reduce_from_tp: all of it);
 //   * ops whose output differs per rank (copy_to_tp's partial uses, split_*, gather_rows, reduce_scatter_rows):
 //     the loss is the sum over ranks of sum(W_r * y_r); each rank back-propagates its own term and the op's
@@ -101,6 +101,16 @@ void all_cases() {
     at::Tensor W = weights_of(0, {n, T * m});
     (y * W).sum().backward();
     expect_equal(x.grad(), W.narrow(-1, r * m, m), "gather_last_dim backward = own columns of W");
+  }
+  {  // gather_rows_replicated: y = cat_s x_s used identically on every rank (one loss); backward own rows of W.
+    at::Tensor x = input_of(r, {n, m}).requires_grad_();
+    at::Tensor y = bmt::tp::gather_rows_replicated(x);
+    std::vector<at::Tensor> parts;
+    for (int s = 0; s < T; ++s) parts.push_back(input_of(s, {n, m}));
+    expect_equal(y, at::cat(parts, 0), "gather_rows_replicated forward");
+    at::Tensor W = weights_of(0, {T * n, m});
+    (y * W).sum().backward();
+    expect_equal(x.grad(), W.narrow(0, r * n, n), "gather_rows_replicated backward = own rows of W");
   }
   {  // split_last_dim: y_r = columns chunk r of a replicated x; backward cat of every rank's W_s along -1.
     at::Tensor x = input_of(0, {n, T * m}).requires_grad_();

@@ -1,5 +1,7 @@
-"""bmtrain.nn: BMTrain's layers over DistributedParameters. Their forwards compose the engine's operations
-(gathered parameters, the tensor-parallel ops of bmtrain._C.tp); initialisation follows BMTrain's."""
+"""bmtrain.nn: BMTrain's layers over DistributedParameters. Their forwards are the engine's: the C++ layer ops
+(bmtrain._C.nn) and, for the tensor-parallel layers, the functions the C++ nn::ColumnParallelLinear, RowParallelLinear
+and VPEmbedding call (bmtrain._C.tp, nn/tp_layer_ops.h); parameters, names and initialisation follow BMTrain's."""
+import enum
 import math
 
 import torch
@@ -80,11 +82,18 @@ class Linear(DistributedModule):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def _overlap(chunks):
+    """The chunk count for the overlapped sequence-parallel GEMMs: the layer's own when the overlap is on
+    (BMT_TP_OVERLAP_CHUNKS / bmtrain._C.tp.set_overlap_chunks), else 0 (the separate ops; the same values)."""
+    return max(1, int(chunks or 1)) if _tp.overlap_chunks() > 0 else 0
+
+
 class ColumnParallelLinear(DistributedModule):
     """BMTrain's ColumnParallelLinear(in_features, out_features, bias=True, dtype=None, gather_output=False,
-    gather_input=True, async_gather_chunks=2): weight (out/tp, in) split over the tensor-parallel group.
-    gather_input: the input's rows are split over tp (sequence parallel) and all-gathered first; else the input is
-    replicated. gather_output: all tp ranks' output features (replicated), else this rank's out/tp."""
+    gather_input=True, async_gather_chunks=2): weight (out/tp, in) and bias (out/tp) split over the tensor-parallel
+    group. gather_input: the input's rows are split over tp (sequence parallel) and all-gathered first (the output
+    has tp times the rows); else the input is replicated. gather_output: all tp ranks' output features, else this
+    rank's out/tp. The forward is the C++ layer's (nn::column_parallel_linear)."""
 
     def __init__(self, in_features, out_features, bias=True, dtype=None, gather_output=False, gather_input=True,
                  async_gather_chunks=2):
@@ -101,13 +110,8 @@ class ColumnParallelLinear(DistributedModule):
                      if bias else None)
 
     def forward(self, input):
-        if self.gather_input and _tp_size() > 1 and _tp.overlap_chunks() > 0:
-            # the all-gather overlapped with the GEMM (BMT_TP_OVERLAP_CHUNKS; this layer's async_gather_chunks)
-            y = _tp.gather_rows_linear(input, self.weight, self.bias, max(1, int(self.async_gather_chunks or 1)))
-        else:
-            x = _tp.gather_rows(input) if self.gather_input else _tp.copy_to_tp(input)
-            y = _nn.linear(x, self.weight, self.bias)
-        return _tp.gather_last_dim(y) if self.gather_output else y
+        return _tp.column_parallel_linear(input, self.weight, self.bias, self.gather_input, self.gather_output,
+                                          _overlap(self.async_gather_chunks))
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -117,8 +121,11 @@ class ColumnParallelLinear(DistributedModule):
 class RowParallelLinear(DistributedModule):
     """BMTrain's RowParallelLinear(in_features, out_features, bias=True, dtype=None, split_input=False,
     all_reduce_output=False, async_chunks=2): weight (out, in/tp) split over tp; bias (out) replicated over tp and
-    added after the reduction (its gradient copies are combined over tp, so they never diverge). Output rows
-    reduce-scattered over tp (sequence parallel), or all-reduced with all_reduce_output."""
+    added after the reduction. Input: this rank's in/tp features, or (split_input, as BMTrain's) all features with
+    the rows split over tp: the rows are all-gathered and this rank keeps its feature slice. Output rows
+    reduce-scattered over tp (sequence parallel), or all-reduced with all_reduce_output. The bias's gradient copies
+    are combined over tp (summed for a reduce-scattered output, averaged for an all-reduced one), so they equal the
+    unsplit layer's and never diverge. The forward is the C++ layer's (nn::row_parallel_linear)."""
 
     def __init__(self, in_features, out_features, bias=True, dtype=None, split_input=False, all_reduce_output=False,
                  async_chunks=2):
@@ -132,20 +139,12 @@ class RowParallelLinear(DistributedModule):
                                            init_method=torch.nn.init.xavier_normal_, tp_split_dim=1, tp_mode=True)
         self.bias = (DistributedParameter(torch.empty(out_features, dtype=dt), init_method=torch.nn.init.zeros_,
                                           tp_split_dim=-1, tp_mode=True) if bias else None)
+        if bias:  # the parameter itself (self.bias outside a Block reads a gathered copy)
+            _tp.set_grad_reduce(self._parameters["bias"], _tp.row_parallel_bias_grad_reduce(bool(all_reduce_output)))
 
     def forward(self, input):
-        x = _tp.split_last_dim(input) if self.split_input else input
-        if x.shape[-1] != self.in_features_per_partition:
-            raise ValueError(f"RowParallelLinear (rank {config['rank']}): input has {x.shape[-1]} features, expected "
-                             f"in_features / tp_size = {self.in_features_per_partition}"
-                             + ("" if self.split_input else " (pass split_input=True for inputs with all features)"))
-        if not self.all_reduce_output and _tp_size() > 1 and _tp.overlap_chunks() > 0:
-            # GEMM and reduce-scatter in chunks, overlapped (BMT_TP_OVERLAP_CHUNKS; this layer's async_chunks)
-            y = _tp.linear_reduce_scatter_rows(x, self.weight, max(1, int(self.async_chunks or 1)))
-        else:
-            y = F.linear(x, self.weight)
-            y = _tp.reduce_from_tp(y) if self.all_reduce_output else _tp.reduce_scatter_rows(y)
-        return y + self.bias if self.bias is not None else y
+        return _tp.row_parallel_linear(input, self.weight, self.bias, bool(self.split_input),
+                                       bool(self.all_reduce_output), _overlap(self.async_chunks))
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -153,40 +152,59 @@ class RowParallelLinear(DistributedModule):
 
 
 class OpParallelLinear:
-    """BMTrain's OpParallelLinear entry point, as a function: linear over the tp layout of ColumnParallelLinear
-    (gather_input) or RowParallelLinear (reduce_output_type "reduce_scatter" or "all_reduce")."""
+    """BMTrain's OpParallelLinear, called as BMTrain's is: OpParallelLinear.apply(input, weight, bias=None,
+    gather_input=False, gather_output=False, split_input=False, reduce_output_type=None, async_gather_chunks=2).
+    input -> (gather_input: all-gather the rows over tp) -> (split_input: this rank's in-feature slice) ->
+    linear(·, weight, bias) -> (gather_output: all output features) -> (reduce_output_type: all-reduce, or
+    reduce-scatter of the rows). reduce_output_type: None, ReduceType.ALL_REDUCE / REDUCE_SCATTER, their values 1 /
+    2, or "all_reduce" / "reduce_scatter". As in BMTrain the bias is added on every rank before the reduction. The
+    C++ op nn::op_parallel_linear."""
 
     @staticmethod
     def apply(input, weight, bias=None, gather_input=False, gather_output=False, split_input=False,
-              reduce_output_type=None, *unused):
-        x = _tp.split_last_dim(input) if split_input else input
-        if gather_input:
-            x = _tp.gather_rows(x)
-        y = F.linear(x, weight, None if reduce_output_type else bias)
-        if reduce_output_type == "reduce_scatter":
-            y = _tp.reduce_scatter_rows(y)
-        elif reduce_output_type == "all_reduce":
-            y = _tp.reduce_from_tp(y)
-        elif reduce_output_type is not None:
-            raise ValueError(f"OpParallelLinear: unknown reduce_output_type {reduce_output_type!r}")
-        if reduce_output_type and bias is not None:
-            y = y + bias
-        return _tp.gather_last_dim(y) if gather_output else y
+              reduce_output_type=None, async_gather_chunks=2):
+        return _tp.op_parallel_linear(input, weight, bias, bool(gather_input), bool(gather_output), bool(split_input),
+                                      _reduce_name(reduce_output_type), _overlap(async_gather_chunks))
+
+
+class ReduceType(enum.Enum):
+    """BMTrain's bmtrain.nn.parallel_linear_func.ReduceType."""
+    ALL_REDUCE = 1
+    REDUCE_SCATTER = 2
+
+
+def _reduce_name(r):
+    if r is None:
+        return None
+    if isinstance(r, str):
+        return r
+    try:
+        r = ReduceType(r.value if isinstance(r, enum.Enum) else r)
+    except ValueError:
+        raise ValueError(f"OpParallelLinear: unknown reduce_output_type {r!r}; use None, ReduceType.ALL_REDUCE or "
+                         "ReduceType.REDUCE_SCATTER") from None
+    return "all_reduce" if r is ReduceType.ALL_REDUCE else "reduce_scatter"
 
 
 class VPEmbedding(DistributedModule):
     """BMTrain's VPEmbedding(vocab_size, embedding_size, dtype=torch.half, init_mean=0.0, init_std=1): a
-    vocabulary-parallel table (vocab/tp, dim). forward(ids): ids replicated over tp; every tp rank gets the full
-    rows (B, S, dim), as BMTrain's does, without gathering the table: each rank looks up its vocabulary range and
-    the partial rows are summed over tp (differentiable all-reduce: rows used on any tp rank send their gradient
-    to the rank holding them). forward(x, projection=True): logits of this rank's vocabulary slice (for
-    FusedCrossEntropy(parallel=True)); rows of x split over tp (sequence parallel) are all-gathered first."""
+    vocabulary-parallel table (vocab/tp, dim), the C++ layer's forwards (nn::vocab_parallel_lookup / _projection).
+    forward(ids): every tp rank looks up its own ids (BMTrain's example gives each rank its chunk of the sequence)
+    in the whole table. Gradient: in the sequence-parallel layout (init_distributed's default) each rank's ids are
+    different tokens and every rank's gradient reaches the row's owner (BMTrain keeps only the owner's own tokens);
+    with init_distributed(sequence_parallel=False) the ids must be the same on every tp rank.
+    forward(x, projection=True): logits of this rank's vocabulary slice (for FusedCrossEntropy(parallel=True)):
+    x's rows are split over tp and all-gathered, as BMTrain's, returned as (x.shape[0], -1, vocab/tp)."""
 
     def __init__(self, vocab_size, embedding_size, dtype=torch.half, init_mean=0.0, init_std=1):
         super().__init__()
         self.vocab_size, self.embedding_size = vocab_size, embedding_size
+        self.dim_model = embedding_size
         self.vocab_per_partition = _split_size(vocab_size, "vocab_size", "VPEmbedding")
-        self.vocab_begin = config.get("tp_rank", 0) * self.vocab_per_partition
+        self.vocab_size_per_partition = self.vocab_per_partition
+        self.start_index = config.get("tp_rank", 0) * self.vocab_per_partition
+        self.end_index = self.start_index + self.vocab_per_partition
+        self.vocab_begin = self.start_index
         self.sequence_parallel = config.get("sequence_parallel", True)
         self.weight = DistributedParameter(
             torch.empty(self.vocab_per_partition, embedding_size, dtype=dtype),
@@ -194,17 +212,11 @@ class VPEmbedding(DistributedModule):
             tp_split_dim=0, tp_mode=True)
 
     def forward(self, x, projection=False):
-        w = self.weight
-        if projection:
-            if _tp_size() > 1:
-                x = _tp.gather_rows(x) if self.sequence_parallel else _tp.copy_to_tp(x)
-            return F.linear(x, w)
-        if _tp_size() == 1:
-            return F.embedding(x, w)
-        local = x - self.vocab_begin
-        mine = (local >= 0) & (local < self.vocab_per_partition)
-        rows = F.embedding(local.masked_fill(~mine, 0), w) * mine.unsqueeze(-1).to(w.dtype)
-        return _C.all_reduce(rows, "sum", config["tp_comm"])
+        if not projection:
+            return _tp.vocab_parallel_lookup(x, self.weight, self.sequence_parallel)
+        y = _tp.vocab_parallel_projection(x, self.weight, self.sequence_parallel)
+        # BMTrain's shape: the gathered rows viewed as (x.shape[0], -1, ·) (the C++ op keeps 2-dim rows as rows)
+        return y.view(x.shape[0], -1, y.shape[-1]) if self.sequence_parallel and x.dim() == 2 else y
 
 
 ParallelEmbedding = VPEmbedding

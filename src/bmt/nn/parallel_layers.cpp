@@ -6,6 +6,7 @@
 #include "bmt/core/error.h"
 #include "bmt/runtime/init.h"
 #include "bmt/nn/fused_reductions.h"
+#include "bmt/nn/tp_layer_ops.h"
 #include "bmt/nn/tp_ops.h"
 #include "bmt/nn/tp_overlap.h"
 
@@ -42,12 +43,8 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, bool
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  if (gather_input && config().tp_size > 1 && tp::overlap_chunks() > 0) {  // the gather overlapped with the GEMM
-    at::Tensor y = tp::gather_rows_linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(),
-                                          tp::overlap_chunks());
-    return gather_output ? tp::gather_last_dim(y) : y;
-  }
-  return forward_input(input_of(x));
+  return column_parallel_linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), gather_input,
+                                gather_output, tp::overlap_chunks());
 }
 
 at::Tensor ColumnParallelLinearImpl::input_of(const at::Tensor& x) const {
@@ -78,23 +75,13 @@ RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, bool with_
     bias = register_parameter("bias", DistributedParameter({out}, dtype, init::zeros()));
     // Added after the reduction: identical gradients with an all-reduced output, partial ones (each rank's rows)
     // with a reduce-scattered output (BMTrain reduced neither over tp, so its copies drifted apart).
-    set_tp_grad_reduce(bias, all_reduce_output ? TpGradReduce::kAvg : TpGradReduce::kSum);
+    set_tp_grad_reduce(bias, row_parallel_bias_grad_reduce(all_reduce_output));
   }
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
-  at::Tensor input = split_input ? tp::split_last_dim(x) : x;
-  BMT_CHECK(input.dim() >= 1 && input.size(-1) == in_features_per_partition, "nn::RowParallelLinear (rank ",
-            config().rank, "): input has ", input.size(-1), " features, expected in_features / tp_size = ",
-            in_features_per_partition, split_input ? "" : " (pass split_input=true for inputs with all features)");
-  at::Tensor y;
-  if (!all_reduce_output && config().tp_size > 1 && tp::overlap_chunks() > 0)
-    y = tp::linear_reduce_scatter_rows(input, gathered(weight), tp::overlap_chunks());  // chunked, overlapped
-  else if (all_reduce_output)
-    y = tp::reduce_from_tp(at::linear(input, gathered(weight)));
-  else
-    y = tp::reduce_scatter_rows(at::linear(input, gathered(weight)));
-  return bias.defined() ? y + gathered(bias) : y;
+  return row_parallel_linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), split_input,
+                             all_reduce_output, tp::overlap_chunks());
 }
 
 void RowParallelLinearImpl::pretty_print(std::ostream& os) const {
@@ -115,20 +102,17 @@ VPEmbeddingImpl::VPEmbeddingImpl(int64_t vocab, int64_t dim, at::ScalarType dtyp
 }
 
 at::Tensor VPEmbeddingImpl::forward(const at::Tensor& ids, const at::Tensor& gathered_weight) {
-  at::Tensor w = gathered_weight.defined() ? gathered_weight : gathered(weight);
-  if (config().tp_size == 1) return at::embedding(w, ids);
-  // Ids outside this rank's range look up row 0 and are zeroed; the sum over tp ranks restores every row, and
-  // the backward gives each rank the gradient of every token that hit its range (also other ranks' rows).
-  at::Tensor local = ids - vocab_begin;
-  at::Tensor mine = (local >= 0).logical_and(local < vocab_per_partition);
-  at::Tensor rows = at::embedding(w, local.masked_fill(mine.logical_not(), 0));
-  rows = rows * mine.unsqueeze(-1).to(rows.scalar_type());
-  return sequence_parallel ? tp::reduce_scatter_rows(rows) : tp::reduce_from_tp(rows);
+  return vocab_parallel_lookup(ids, gathered_weight.defined() ? gathered_weight : gathered(weight), sequence_parallel);
+}
+
+at::Tensor VPEmbeddingImpl::forward_replicated_ids(const at::Tensor& ids, const at::Tensor& gathered_weight) {
+  return vocab_parallel_lookup_replicated_ids(ids, gathered_weight.defined() ? gathered_weight : gathered(weight),
+                                              sequence_parallel);
 }
 
 at::Tensor VPEmbeddingImpl::projection(const at::Tensor& x, const at::Tensor& gathered_weight) {
-  at::Tensor input = sequence_parallel ? tp::gather_rows(x) : tp::copy_to_tp(x);
-  return at::linear(input, gathered_weight.defined() ? gathered_weight : gathered(weight));
+  return vocab_parallel_projection(x, gathered_weight.defined() ? gathered_weight : gathered(weight),
+                                   sequence_parallel);
 }
 
 void VPEmbeddingImpl::pretty_print(std::ostream& os) const {

@@ -10,14 +10,19 @@
 //                         equal blocks, each split over tp, so this rank's features are its slice of every block,
 //                         in block order (the state_dict keeps the unsplit (out, in) layout).
 //   RowParallelLinear     weight (out, in/tp), bias (out) replicated.  Input: this rank's in/tp features (the
-//                         output of a column-parallel layer), or all features replicated (split_input: keep the
-//                         own slice). Output: reduce-scattered along rows (default, sequence parallel) or
-//                         all-reduced (all_reduce_output, replicated); the bias is added after the reduction.
-//   VPEmbedding           vocabulary-parallel table (vocab/tp, dim). forward(ids): ids replicated over tp, each
-//                         rank looks up its vocabulary range, partial rows combined by reduce-scatter along dim 0
-//                         (sequence_parallel) or all-reduce. projection(x): logits of this rank's vocabulary slice
-//                         (rows, vocab/tp) for the vocab-parallel FusedCrossEntropy; x rows split (sequence
-//                         parallel, all-gathered first) or replicated. Alias: ParallelEmbedding.
+//                         output of a column-parallel layer), or (split_input, BMTrain's) all features with rows
+//                         split over tp: the rows are all-gathered and this rank keeps its feature slice. Output:
+//                         reduce-scattered along rows (default, sequence parallel) or all-reduced
+//                         (all_reduce_output, replicated); the bias is added after the reduction.
+//   VPEmbedding           vocabulary-parallel table (vocab/tp, dim). forward(ids), BMTrain's: each tp rank looks up
+//                         its own ids (they may differ per rank; sequence_parallel: they are different tokens, and
+//                         every rank's table gradient is summed into the slice's owner) in the all-gathered table.
+//                         forward_replicated_ids(ids): ids the same on every tp rank, rows without gathering the
+//                         table, reduce-scattered along dim 0 (sequence_parallel) or all-reduced. projection(x):
+//                         logits of this rank's vocabulary slice for the vocab-parallel FusedCrossEntropy; x rows
+//                         split (sequence parallel: all-gathered first; 3+ dims come back as BMTrain's
+//                         (x.size(0), -1, vocab/tp)) or replicated. Alias: ParallelEmbedding.
+// The forwards are nn/tp_layer_ops.h's functions (shared with the Python package).
 // Sizes that tp_size does not divide are rejected with an error naming the layer and the sizes.
 #pragma once
 
@@ -67,6 +72,7 @@ class VPEmbeddingImpl : public torch::nn::Module {
                   InitMethod weight_init = init::normal(0.0, 0.02), std::optional<bool> sequence_parallel = {});
   // Reuses an already gathered weight when given (one gather for the lookup and the tied projection).
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& gathered_weight = {});
+  at::Tensor forward_replicated_ids(const at::Tensor& ids, const at::Tensor& gathered_weight = {});
   // Logits of this rank's vocabulary slice, reusing an already gathered weight when given.
   at::Tensor projection(const at::Tensor& x, const at::Tensor& gathered_weight = {});
   void pretty_print(std::ostream& os) const override;

@@ -80,7 +80,7 @@ at::Tensor shared_input(const at::Tensor& x, std::initializer_list<const Planned
 }
 
 at::Tensor PlannedEmbedding::forward(const at::Tensor& ids, const at::Tensor& gathered_weight) {
-  if (vocab_) return vocab_->forward(ids, gathered_weight);
+  if (vocab_) return vocab_->forward_replicated_ids(ids, gathered_weight);  // the rows' ids: same on every tp rank
   BMT_CHECK(dense_, "nn::PlannedEmbedding: empty handle; build it with TpScope::embedding");
   return dense_->forward(ids, gathered_weight);
 }

@@ -63,7 +63,8 @@ at::Tensor shared_input(const at::Tensor& x, std::initializer_list<const Planned
 class PlannedEmbedding {
  public:
   PlannedEmbedding() = default;
-  // Looks up ids (reusing an already gathered weight when given). Vocab-parallel: rows combined over tp.
+  // Looks up ids (reusing an already gathered weight when given). Vocab-parallel: ids the same on every tp rank
+  // (VPEmbedding::forward_replicated_ids), rows combined over tp.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& gathered_weight = {});
   // The tied output projection: full logits, or this rank's vocabulary slice when vocab-parallel.
   at::Tensor projection(const at::Tensor& x, const at::Tensor& gathered_weight = {});

@@ -9,11 +9,13 @@
 namespace bmt::tp {
 namespace {
 
-enum Kind : int64_t { kCopy, kReduce, kGatherLast, kSplitLast, kGatherRows, kReduceScatterRows, kSplitRows };
+enum Kind : int64_t { kCopy, kReduce, kGatherLast, kSplitLast, kGatherRows, kReduceScatterRows, kSplitRows,
+              kGatherRowsReplicated };
 
 const char* kind_name(int64_t k) {
   static const char* names[] = {"copy_to_tp", "reduce_from_tp", "gather_last_dim", "split_last_dim",
-                                "gather_rows", "reduce_scatter_rows", "split_rows"};
+                                "gather_rows", "reduce_scatter_rows", "split_rows",
+                                "gather_rows_replicated"};
   return names[k];
 }
 
@@ -40,7 +42,8 @@ at::Tensor apply_raw(int64_t kind, const at::Tensor& x) {
       const int64_t n = x.size(-1) / tp;
       return x.narrow(-1, n * r, n).contiguous();
     }
-    case kGatherRows: {
+    case kGatherRows:
+    case kGatherRowsReplicated: {
       at::Tensor all = distributed::raw_all_gather(x, comm);
       std::vector<int64_t> shape = x.sizes().vec();
       shape[0] *= tp;
@@ -67,6 +70,7 @@ int64_t backward_kind(int64_t kind) {
     case kGatherRows: return kReduceScatterRows;
     case kReduceScatterRows: return kGatherRows;
     case kSplitRows: return kGatherRows;
+    case kGatherRowsReplicated: return kSplitRows;
   }
   BMT_ASSERT(false, "unknown tp op");
 }
@@ -99,5 +103,6 @@ at::Tensor split_last_dim(const at::Tensor& x) { return run(kSplitLast, x); }
 at::Tensor gather_rows(const at::Tensor& x) { return run(kGatherRows, x); }
 at::Tensor reduce_scatter_rows(const at::Tensor& x) { return run(kReduceScatterRows, x); }
 at::Tensor split_rows(const at::Tensor& x) { return run(kSplitRows, x); }
+at::Tensor gather_rows_replicated(const at::Tensor& x) { return run(kGatherRowsReplicated, x); }
 
 }  // namespace bmt::tp

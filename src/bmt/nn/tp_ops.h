@@ -14,6 +14,9 @@
 //     gather_rows         forward all_gather, cat dim 0  backward reduce_scatter(sum) along dim 0
 //     reduce_scatter_rows forward reduce_scatter(sum)    backward all_gather along dim 0
 //     split_rows          forward keep own chunk         backward all_gather along dim 0
+//     gather_rows_replicated  forward all_gather, cat dim 0  backward keep own chunk (the gathered tensor is used
+//                         identically on every rank, so each rank's gradient is already complete: BMTrain's
+//                         all_gather backward; VPEmbedding's table when the ids are replicated over tp)
 // Every op runs on the current stream; dim 0 must be divisible by tp_size where rows are split (clear error).
 #pragma once
 
@@ -28,5 +31,6 @@ at::Tensor split_last_dim(const at::Tensor& x);
 at::Tensor gather_rows(const at::Tensor& x);
 at::Tensor reduce_scatter_rows(const at::Tensor& x);
 at::Tensor split_rows(const at::Tensor& x);
+at::Tensor gather_rows_replicated(const at::Tensor& x);
 
 }  // namespace bmt::tp

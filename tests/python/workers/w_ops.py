@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import bmtrain as bmt
-from common import Skip, assert_close, case, device, main, on_cuda, rank, rank_input, world
+from common import Skip, assert_close, case, device, expect_raises, main, on_cuda, rank, rank_input, world
 
 SHAPE = (2, 3)
 
@@ -38,21 +38,20 @@ def all_gather_grad():
 
 @case
 def all_reduce_grad():
-    """The package's convention (not BMTrain's identity): the objective is the sum over ranks of each rank's loss,
-    so the gradient of every input is the sum of all ranks' upstream gradients (/ws for avg; max/min: only at the
-    ranks holding the extreme; prod: times output/input)."""
+    """BMTrain's backward (bmtrain/distributed/ops.py), local to each rank: sum the identity, avg / ws, max/min the
+    upstream gradient where this rank's input equals the result, prod times result / input."""
     ws, me = world(), rank()
     xs = [_x(r).detach() for r in range(ws)]
     forward = {"sum": sum(xs), "avg": sum(xs) / ws, "max": torch.stack(xs).amax(0), "min": torch.stack(xs).amin(0),
                "prod": torch.stack(xs).prod(0)}
-    g_all = sum(_g(r, SHAPE) for r in range(ws))
+    g_me = _g(me, SHAPE)
     for op, want in forward.items():
         x = _x(me)
         y = bmt.distributed.all_reduce(x, op)
         assert_close(f"all_reduce({op}) forward", y, want)
         _backward(y)
-        grad = {"sum": g_all, "avg": g_all / ws, "max": g_all * (xs[me] == want), "min": g_all * (xs[me] == want),
-                "prod": g_all * want / xs[me]}[op]
+        grad = {"sum": g_me, "avg": g_me / ws, "max": g_me * (xs[me] == want), "min": g_me * (xs[me] == want),
+                "prod": g_me * want / xs[me]}[op]
         assert_close(f"all_reduce({op}) backward", x.grad, grad, rtol=1e-5, atol=1e-6)
 
 
@@ -69,6 +68,9 @@ def reduce_scatter_grad():
         # Backward: all-gather of the ranks' upstream gradients (divided by ws for avg).
         assert_close(f"reduce_scatter({op}) backward", x.grad,
                      torch.cat([_g(r, (2, 3)) for r in range(ws)]) / div)
+    for op in ("max", "min", "prod"):  # BMTrain raises in their backward
+        y = bmt.distributed.reduce_scatter(_x(me, shape), op)
+        expect_raises(f"reduce_scatter({op}) backward", (NotImplementedError,), lambda: y.sum().backward(), [op])
 
 
 @case
@@ -79,10 +81,8 @@ def broadcast_grad():
         y = bmt.distributed.broadcast(x, root)
         assert_close(f"broadcast(root={root}) forward", y, _x(root).detach())
         _backward(y)
-        # Backward (the package's convention): the sum of every rank's upstream gradient, at the root only.
-        want = sum(_g(r, SHAPE) for r in range(ws)) if me == root else torch.zeros(SHAPE)
-        got = x.grad if x.grad is not None else torch.zeros(SHAPE)
-        assert_close(f"broadcast(root={root}) backward", got, want)
+        # Backward (BMTrain's): the ranks' upstream gradients all-reduced, on every rank (the root and the others).
+        assert_close(f"broadcast(root={root}) backward", x.grad, sum(_g(r, SHAPE) for r in range(ws)))
 
 
 @case
