@@ -8,7 +8,7 @@
 
 #include "bmt/checkpoint/file_io.h"
 #include "bmt/core/error.h"
-#include "bmt/distributed.h"
+#include "bmt/runtime/distributed.h"
 #include "train/checkpoint.h"
 
 namespace examples {

@@ -5,7 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "bmt/core/error.h"
-#include "bmt/tensor_adapter_internal.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 #include "py_support.h"
 
 namespace bmt::python {

@@ -1,7 +1,7 @@
 #include "bmt/nn/tp_layer_ops.h"
 
 #include "bmt/core/error.h"
-#include "bmt/init.h"
+#include "bmt/runtime/init.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/tp_ops.h"
 #include "bmt/nn/tp_overlap.h"

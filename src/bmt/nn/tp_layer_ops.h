@@ -36,7 +36,7 @@
 
 #include <ATen/ATen.h>
 
-#include "bmt/parameter.h"
+#include "bmt/params/parameter.h"
 
 namespace bmt::nn {
 
