@@ -1,7 +1,8 @@
 """OptimManager (BMTrain's bmtrain.optim.OptimManager): loss scaling, the global inf/NaN check, clipping and
 LR scheduling over several optimizers, run by the engine (bmt::optim::OptimManager)."""
-from .. import _C
+from .. import _C, torch_ops
 from ..global_var import config
+from .auto_overlap import AutoStepInBackward
 
 
 class OptimManager:
@@ -19,6 +20,7 @@ class OptimManager:
         self.optimizers = []
         self.lr_schedulers = []
         self._python_schedulers = []  # user subclasses of WarmupLRScheduler, stepped here
+        self._auto = AutoStepInBackward(self)  # the step inside the backward when the loop allows it
 
     def add_optimizer(self, optimizer, lr_scheduler=None):
         if not getattr(optimizer, "_bmtrain_optimizer", False) or not hasattr(optimizer, "_c"):
@@ -36,6 +38,7 @@ class OptimManager:
         while the rest of the backward runs. A Block whose gradients hold inf/NaN is left to step(); refused with
         loss scaling (an early update cannot be undone). Returns a handle: .remove(), or use it as a context
         manager; .num_early_starts counts the updates started early."""
+        self._auto.user_chose()
         return _OverlapHandle(self._c.overlap_offload_with_backward())
 
     def overlap_step_with_backward(self, release_gradients=True):
@@ -44,21 +47,36 @@ class OptimManager:
         release_gradients a Block's fp32 gradient shards are freed after its update, so the model's gradients are
         never all held at once. clip_grad_norm is refused after early updates; refused with loss scaling. Returns a
         handle like overlap_offload_with_backward()."""
+        self._auto.user_chose()
         return _OverlapHandle(self._c.overlap_step_with_backward(bool(release_gradients)))
 
     def scale_loss(self, loss):
         return self._c.scale_loss(loss)
 
+    def set_step_in_backward(self, mode):
+        """"auto" (default, env BMT_STEP_IN_BACKWARD), True or False: update each Block during the backward, as
+        overlap_step_with_backward() does, when the loop allows it (optim/auto_overlap.py says when)."""
+        self._auto.set_mode(mode)
+
+    step_in_backward_active = property(lambda self: self._auto.active)
+
     def backward(self, loss):
+        torch_ops.close_window()
+        self._auto.before_backward()
         self._c.backward(loss)
 
     def zero_grad(self):
+        torch_ops.close_window()
         self._c.zero_grad()
 
     def step(self):
         """Steps every optimizer and LR scheduler unless a gradient is inf/NaN on some rank; then the step is
         skipped everywhere, gradients are zeroed and the loss scale lowered. Returns False when skipped."""
-        stepped = self._c.step()
+        try:
+            stepped = self._c.step()
+        except RuntimeError as e:
+            raise self._auto.step_error(e) from e
+        self._auto.after_step()
         if stepped:
             for s in self._python_schedulers:
                 s.step()
@@ -73,7 +91,11 @@ class OptimManager:
                 params.extend(g["params"])
             else:
                 params.append(g)
-        return self._c.clip_grad_norm(params, float(max_norm), float(norm_type), float(eps))
+        self._auto.on_clip()
+        try:
+            return self._c.clip_grad_norm(params, float(max_norm), float(norm_type), float(eps))
+        except RuntimeError as e:
+            raise self._auto.clip_error(e) from e
 
     def state_dict(self, gather_opt=False):
         if gather_opt:
