@@ -24,6 +24,7 @@ Switch: BMT_STEP_IN_BACKWARD=auto|1|0 (1: from the first backward, an error if n
 OptimManager.set_step_in_backward("auto" | True | False).
 """
 import os
+import weakref
 
 from .. import _C
 
@@ -47,7 +48,7 @@ class AutoStepInBackward:
     """Per OptimManager: watches its iterations and owns the engine's overlap handle when it turned it on."""
 
     def __init__(self, manager):
-        self._m = manager
+        self._manager = weakref.ref(manager)  # no cycle: the hook goes with the manager
         self.mode = _parse(os.environ.get(_ENV, "auto"), _ENV)
         self.handle = None          # the engine's OffloadOverlap while on
         self.reason_off = None      # why auto mode stays off for good (None: not decided)
@@ -73,7 +74,7 @@ class AutoStepInBackward:
             self.handle = None
 
     def _why_not(self):
-        m = self._m
+        m = self._manager()
         if self.reason_off:
             return self.reason_off
         if m._c.loss_scale_enabled:
@@ -107,9 +108,9 @@ class AutoStepInBackward:
             if why:
                 raise RuntimeError(f"OptimManager: the optimizer step inside the backward was asked for "
                                    f"(BMT_STEP_IN_BACKWARD=1 / set_step_in_backward(True)) but {why}")
-            self.handle = self._m._c.overlap_step_with_backward(True)
+            self.handle = self._manager()._c.overlap_step_with_backward(True)
         elif why is None and self._clean:
-            self.handle = self._m._c.overlap_step_with_backward(True)
+            self.handle = self._manager()._c.overlap_step_with_backward(True)
 
     def on_clip(self):
         self._clipped = True

@@ -109,9 +109,12 @@ def _ids(seed):
     return ids.to(device())
 
 
-def _loss_and_grads(model, ids, loss_fn):
+def _loss_and_grads(model, ids, loss_fn, loss_scope=None):
+    """loss_scope: a context manager around the loss alone (the saved-tensor hooks below)."""
+    import contextlib
     logits = model(ids[:, :-1])
-    loss = loss_fn(logits, ids[:, 1:].reshape(-1))
+    with loss_scope or contextlib.nullcontext():
+        loss = loss_fn(logits, ids[:, 1:].reshape(-1))
     loss.backward()
     grads = {n: bmt.main_grad(p).clone() for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -138,8 +141,8 @@ def cross_entropy_of_upcast_logits():
 
     ids = _ids(5)
     bmt.torch_ops.routed_counts(reset=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, grads, logits = _loss_and_grads(model, ids, _fp32_ce)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    loss, grads, logits = _loss_and_grads(model, ids, _fp32_ce, hooks)
     counts = bmt.torch_ops.routed_counts(reset=True)
     big_fp32 = [s for s in saved if s[0] == torch.float32 and s[1] and s[1][-1] == VOCAB]
     if ROUTE_OFF:
@@ -156,8 +159,8 @@ def cross_entropy_of_upcast_logits():
         raise AssertionError("the loss window is still on the torch function mode stack after close_window()")
     with bmt.torch_ops.routing(False, ops=["cross_entropy"]):
         saved.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            ref_loss, ref_grads, _ = _loss_and_grads(model, ids, _fp32_ce)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        ref_loss, ref_grads, _ = _loss_and_grads(model, ids, _fp32_ce, hooks)
     if not [s for s in saved if s[0] == torch.float32 and s[1] and s[1][-1] == VOCAB]:
         raise AssertionError("torch's loss saved no fp32 logits-sized tensor: this test does not see the saving")
     assert_close("loss", loss, ref_loss, rtol=1e-6, atol=1e-6)
