@@ -50,8 +50,9 @@ shape_of() {
     [[ $P == *--checkpointing* ]] && extra+=" --checkpointing"
     [[ $P == *--offload* ]] && extra+=" --offload"
     P="--preset tiny --warmup 1 --steps 1$extra"; C="$P"
-    [[ $1 == 1p3b_offload ]] && C+=" --offload-grad-bf16 --offload-async"
+    if [[ $1 == 1p3b_offload ]]; then C+=" --offload-grad-bf16 --offload-async"; fi
   fi
+  return 0
 }
 
 # one run: ID KIND CANON COMMAND... (KIND bmt: the engine's row, normalised to the five config names)
