@@ -18,7 +18,7 @@ import functools
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _C
+from . import _C, torch_ops
 from .layer import check_apply, load_distributed, save_distributed
 from .parameter import DistributedParameter
 
@@ -87,8 +87,9 @@ class _ListCall(_Outputs):
 
 
 def _run_call(module, tensors, call):
-    # Called by the engine (C++) with the GIL held, in the forward and again in the recompute.
-    return call.run(module, tensors)
+    # Called by the engine (C++) with the GIL held, in the forward and again in the recompute; torch's functional
+    # ops inside go to the engine's kernels (torch_ops.py, off with BMT_ROUTE_TORCH_OPS=0).
+    return torch_ops.run_routed(module, lambda: call.run(module, tensors))
 
 
 class Block(torch.nn.Module):
@@ -192,7 +193,10 @@ class Block(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         call = _BlockCall(args, kwargs)
-        return call.result(self._built().forward(call.tensor_inputs, call))
+        torch_ops.close_window()
+        out = call.result(self._built().forward(call.tensor_inputs, call))
+        torch_ops.open_window()  # the loss computed next routes its cross-entropy (torch_ops.py)
+        return out
 
     def __getattr__(self, name):
         try:
@@ -308,10 +312,12 @@ class TransformerBlockList(torch.nn.Module):
             if not isinstance(h, torch.Tensor):
                 raise TypeError(f"TransformerBlockList: hidden state {i} must be a tensor, got {type(h).__name__}")
         call = _ListCall(nh, args[nh:])
+        torch_ops.close_window()
         if self._clist is None:
             outs = self._run_each(list(args[:nh]) + call.tensor_inputs, nh, bool(return_hidden_states), call)
         else:
             outs = self._clist.forward(list(args[:nh]) + call.tensor_inputs, nh, bool(return_hidden_states), call)
+        torch_ops.open_window()  # the loss computed next routes its cross-entropy (torch_ops.py)
         if return_hidden_states:
             return tuple(outs)
         return outs[0] if nh == 1 else tuple(outs)

@@ -3,9 +3,10 @@ LR scheduling over several optimizers (bmtrain's and torch.optim's), run by the 
 LR schedulers are stepped here after every step the engine did not skip."""
 import torch
 
-from .. import _C
+from .. import _C, torch_ops
 from ..global_var import config
 from .adam import _BmtOptimizer
+from .auto_overlap import AutoStepInBackward
 
 
 def _params_of(optimizer):
@@ -33,6 +34,7 @@ class OptimManager:
         self.optimizers = []
         self.lr_schedulers = []
         self._torch_handles = []  # (torch optimizer, its engine handle)
+        self._auto = AutoStepInBackward(self)  # the step inside the backward when the loop allows it
 
     def add_optimizer(self, optimizer, lr_scheduler=None):
         """bmtrain's optimizers (stepped by the engine with the loss scale) or any torch.optim.Optimizer (its
@@ -63,6 +65,7 @@ class OptimManager:
         while the rest of the backward runs. A Block whose gradients hold inf/NaN is left to step(); refused with
         loss scaling (an early update cannot be undone). Returns a handle: .remove(), or use it as a context
         manager; .num_early_starts counts the updates started early."""
+        self._auto.user_chose()
         return _OverlapHandle(self._c.overlap_offload_with_backward())
 
     def overlap_step_with_backward(self, release_gradients=True):
@@ -71,16 +74,27 @@ class OptimManager:
         release_gradients a Block's fp32 gradient shards are freed after its update, so the model's gradients are
         never all held at once. clip_grad_norm is refused after early updates; refused with loss scaling. Returns a
         handle like overlap_offload_with_backward()."""
+        self._auto.user_chose()
         return _OverlapHandle(self._c.overlap_step_with_backward(bool(release_gradients)))
 
     def scale_loss(self, loss):
         return self._c.scale_loss(loss)
 
+    def set_step_in_backward(self, mode):
+        """"auto" (default, env BMT_STEP_IN_BACKWARD), True or False: update each Block during the backward, as
+        overlap_step_with_backward() does, when the loop allows it (optim/auto_overlap.py says when)."""
+        self._auto.set_mode(mode)
+
+    step_in_backward_active = property(lambda self: self._auto.active)
+
     def backward(self, loss):
+        torch_ops.close_window()
+        self._auto.before_backward()
         self._sync()  # overlapped updates start during the backward
         self._c.backward(loss)
 
     def zero_grad(self):
+        torch_ops.close_window()
         self._sync()
         self._c.zero_grad()
 
@@ -88,7 +102,11 @@ class OptimManager:
         """Steps every optimizer and LR scheduler unless a gradient is inf/NaN on some rank; then the step is
         skipped everywhere, gradients are zeroed and the loss scale lowered. Returns False when skipped."""
         self._sync()
-        stepped = self._c.step()
+        try:
+            stepped = self._c.step()
+        except RuntimeError as e:
+            raise self._auto.step_error(e) from e
+        self._auto.after_step()
         if stepped:
             for opt in self.optimizers:  # torch's LR schedulers check that the optimizer stepped
                 opt._opt_called = True
@@ -106,7 +124,11 @@ class OptimManager:
                 params.extend(g["params"])
             else:
                 params.append(g)
-        return self._c.clip_grad_norm(params, float(max_norm), float(norm_type), float(eps))
+        self._auto.on_clip()
+        try:
+            return self._c.clip_grad_norm(params, float(max_norm), float(norm_type), float(eps))
+        except RuntimeError as e:
+            raise self._auto.clip_error(e) from e
 
     def state_dict(self, gather_opt=False):
         """BMTrain's layout: {"optimizers": [each optimizer's state_dict()], "lr_schedulers": [state_dict() or None],

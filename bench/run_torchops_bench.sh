@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# run_torchops_bench.sh [BUILD_DIR] [CONFIG...]: the GPT written with torch's functional ops (bench/torchops_gpt.py)
+# trained by the Python package (framework bmtrain-py-torchops), by FSDP2 and by plain PyTorch eager, beside the
+# C++ engine's own GPT (bmt-bench-train --framework bmt, JSON framework "bmt"), in one call on one GPU; each run its
+# own process. Every row gets the same call_id; rows are appended to bench/results/<date>-<machine>.jsonl (and,
+# with $OUT set, copied with the logs and the table to $OUT/torchops_bench/).
+#
+#   CONFIG     any of 124m 1p3b 1p3b_ckpt 6p7b_ckpt 1p3b_offload (default: all five, in that order)
+#   TORCHOPS_FRAMEWORKS="bmtpy fsdp2 plain bmt"   which rows per config (offload: bmtpy and bmt only)
+#   TORCHOPS_COMPILE=1      after the eager rows, 124m with --compile for bmtpy and fsdp2 (0: none)
+#   TORCHOPS_ABLATE=1       then 124m and 1p3b_ckpt on the package with BMT_ROUTE_TORCH_OPS=0 (variant no-route)
+#                           and with BMT_STEP_IN_BACKWARD=0 (variant no-sib) (0: none)
+#   TORCHOPS_BUDGET_S=560   wall-clock budget; a run starts only while >= 40 s remain, its timeout is what is left
+#   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
+# The C++ engine's rows use its own best settings per config (124m --cuda-graphs; checkpointed configs
+# --step-in-backward; offload --offload-grad-bf16 --offload-async); its config string is mapped to the five names
+# and its own kept as engine_config.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build-gpu}
+[ $# -gt 0 ] && shift
+BIN=$BUILD/bench/bmt-bench-train
+. bench/bench_lib.sh
+SMOKE=${TORCHOPS_SMOKE:-0}
+bench_setup torchops_bench "${TORCHOPS_BUDGET_S:-560}" "" 29760 "${TORCHOPS_RUN_CAP_S:-240}"
+[ "$SMOKE" = 1 ] && RESULTS=$LOGDIR/smoke.jsonl
+export BMT_CALL_ID=${BMT_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-$BMT_GIT_COMMIT-$$}
+export PYTHONPATH="$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
+echo "[torchops_bench] call_id $BMT_CALL_ID, results $RESULTS"
+CONFIGS=("$@")
+[ ${#CONFIGS[@]} -eq 0 ] && CONFIGS=(124m 1p3b 1p3b_ckpt 6p7b_ckpt 1p3b_offload)
+FRAMEWORKS=${TORCHOPS_FRAMEWORKS:-bmtpy fsdp2 plain bmt}
+
+# shape and step counts of a config id; sets P (python flags), C (engine flags), CANON (the config name)
+shape_of() {
+  case $1 in
+    124m) P="--preset gpt2-124m --seq 1024 --batch 16 --warmup 3 --steps 10"; C="$P --cuda-graphs"
+          CANON="gpt2-124m seq1024 batch16" ;;
+    1p3b) P="--preset gpt-1.3b --seq 2048 --batch 8 --warmup 2 --steps 5"; C="$P"; CANON="gpt-1.3b seq2048 batch8" ;;
+    1p3b_ckpt) P="--preset gpt-1.3b --seq 2048 --batch 8 --warmup 2 --steps 5 --checkpointing"
+          C="$P --step-in-backward"; CANON="gpt-1.3b seq2048 batch8 ckpt" ;;
+    6p7b_ckpt) P="--preset gpt-6.7b --seq 2048 --batch 2 --warmup 2 --steps 4 --checkpointing"
+          C="$P --step-in-backward"; CANON="gpt-6.7b seq2048 batch2 ckpt" ;;
+    1p3b_offload) P="--preset gpt-1.3b --seq 2048 --batch 8 --warmup 2 --steps 4 --offload"
+          C="$P --offload-grad-bf16 --offload-async"; CANON="gpt-1.3b seq2048 batch8 offload" ;;
+    *) echo "[torchops_bench] unknown config '$1' (use 124m 1p3b 1p3b_ckpt 6p7b_ckpt 1p3b_offload)" >&2; return 1 ;;
+  esac
+  if [ "$SMOKE" = 1 ]; then
+    local extra=""
+    [[ $P == *--checkpointing* ]] && extra+=" --checkpointing"
+    [[ $P == *--offload* ]] && extra+=" --offload"
+    P="--preset tiny --warmup 1 --steps 1$extra"; C="$P"
+    if [[ $1 == 1p3b_offload ]]; then C+=" --offload-grad-bf16 --offload-async"; fi
+  fi
+  return 0
+}
+
+# one run: ID KIND CANON COMMAND... (KIND bmt: the engine's row, normalised to the five config names)
+run_one() {
+  local id=$1 kind=$2 canon=$3
+  shift 3
+  local left=$((BENCH_BUDGET - ($(date +%s) - BENCH_START)))
+  if [ "$left" -lt 40 ]; then echo "[torchops_bench] $id: skipped (time budget)"; return; fi
+  local json=$LOGDIR/$id.json log=$LOGDIR/$id.log t0
+  t0=$(date +%s)
+  rm -f "$json"
+  echo "$*" > "$log"
+  BENCH_N=$((BENCH_N + 1))
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=$((BENCH_PORT_BASE + BENCH_N)) timeout -k 10 "$((left < BENCH_RUN_CAP ? left : BENCH_RUN_CAP))" \
+    "$@" --json "$json" >> "$log" 2>&1
+  local rc=$?
+  if [ $rc -eq 0 ] && [ -s "$json" ]; then
+    python3 - "$json" "$kind" "$canon" >> "$RESULTS" <<'PY'
+import json, os, sys
+rec = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+if sys.argv[2] == "bmt":  # the engine's row under the five names
+    rec["engine_config"], rec["engine_framework"] = rec.get("config"), rec.get("framework")
+    rec["framework"], rec["config"] = "bmt", sys.argv[3]
+rec["call_id"] = os.environ["BMT_CALL_ID"]
+rec.setdefault("variant", "eager")
+print(json.dumps(rec))
+PY
+    echo "[torchops_bench] $id: $(grep '^RESULT' "$log" | tail -1 | sed 's/^RESULT //') [$(( $(date +%s) - t0 ))s]"
+  else
+    echo "[torchops_bench] $id: failed (rc $rc); last lines:"; tail -5 "$log" | cut -c1-300 | sed 's/^/    /'
+  fi
+}
+
+PY=(python3 bench/torchops_gpt.py)
+for cfg in "${CONFIGS[@]}"; do
+  shape_of "$cfg" || exit 2
+  for fw in $FRAMEWORKS; do
+    offload=0; [[ $cfg == *offload* ]] && offload=1
+    case $fw in
+      bmtpy) run_one "bmtpy_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P ;;
+      fsdp2) [ $offload = 1 ] || run_one "fsdp2_$cfg" py "$CANON" "${PY[@]}" --framework fsdp2 $P ;;
+      plain) [ $offload = 1 ] || run_one "plain_$cfg" py "$CANON" "${PY[@]}" --framework plain $P ;;
+      bmt) run_one "bmt_$cfg" bmt "$CANON" "$BIN" --framework bmt $C ;;
+      *) echo "[torchops_bench] unknown framework '$fw' in TORCHOPS_FRAMEWORKS (bmtpy fsdp2 plain bmt)" >&2; exit 2 ;;
+    esac
+  done
+done
+# what each change brings: the package with routing off, and with the step inside the backward off (last, so the
+# budget cuts these first)
+if [ "${TORCHOPS_ABLATE:-1}" = 1 ]; then
+  for cfg in 124m 1p3b_ckpt; do
+    shape_of "$cfg"
+    run_one "bmtpy_noroute_$cfg" py "$CANON" env BMT_ROUTE_TORCH_OPS=0 "${PY[@]}" --framework bmtrain $P --variant no-route
+    run_one "bmtpy_nosib_$cfg" py "$CANON" env BMT_STEP_IN_BACKWARD=0 "${PY[@]}" --framework bmtrain $P --variant no-sib
+  done
+fi
+if [ "${TORCHOPS_COMPILE:-1}" = 1 ]; then
+  shape_of 124m
+  for fw in bmtrain fsdp2; do
+    run_one "${fw}_compile_124m" py "$CANON" "${PY[@]}" --framework $fw $P --compile
+  done
+fi
+
+# the table: one line per (config, framework, variant)
+python3 - "$RESULTS" "$BMT_CALL_ID" <<'PY' | tee "$LOGDIR/table.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in rows if r.get("call_id") == sys.argv[2]]
+order = ["bmt", "bmtrain-py-torchops", "fsdp2", "plain"]
+print(f"{'config':<34}{'framework':<22}{'variant':<10}{'tokens/s':>11}{'peak GiB':>10}  notes")
+for r in sorted(rows, key=lambda r: (r["config"], order.index(r["framework"]) if r["framework"] in order else 9)):
+    note = r.get("engine_config", "")
+    if "routed_calls" in r:
+        note = f"step_in_backward={r.get('step_in_backward')} routed={r['routed_calls']}"
+    print(f"{r['config']:<34}{r['framework']:<22}{r.get('variant', ''):<10}{r['tokens_per_s']:>11,.0f}"
+          f"{(r.get('peak_gpu_gib') or 0):>10.1f}  {note}")
+PY
+exit 0

@@ -1,0 +1,314 @@
+"""Routes a user's torch.nn.functional calls to the engine's kernels (bmt.torch_ops).
+
+A BMTrain user writes layers with torch's ops (F.linear, F.layer_norm, F.scaled_dot_product_attention) inside
+bmt.Blocks and computes an fp32 F.cross_entropy on the logits. While a Block's forward runs (its first run and the
+backward's recompute), a torch.overrides.TorchFunctionMode sends those calls to the engine's own ops, which compute
+the same function:
+
+  F.linear(x, w, b)                         -> bmtrain._C.nn.linear (CUDA: the bias gradient by our column
+                                               reduction; the forward and the other gradients are torch's GEMMs)
+  F.layer_norm(x, (d,), w, b, eps)          -> bmtrain._C.nn.layer_norm (CUDA: our weight/bias gradient reduction)
+  F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                                            -> bmt.nn.causal_attention (the fused kernel torch's SDPA picks, as one
+                                               autograd function: a checkpointed Block keeps its output for the
+                                               recompute, recompute_keep.h)
+  F.cross_entropy(logits.float(), target)   -> the engine's fused cross-entropy on the half-precision logits
+                                               (fp32 statistics; no fp32 log-softmax saved, no fp32 gradient)
+
+Calls outside those patterns (a mask, dropout, a 2-D normalized_shape, class weights, probabilities as targets...)
+go to torch unchanged. The loss is usually computed outside any Block: after a top-level Block or
+TransformerBlockList forward that records gradients, a second instance of the mode (the "loss window", which routes
+only the cross-entropy) stays on the stack until the next such forward, OptimManager.backward() / zero_grad(), or
+the first cross-entropy it routes. In it, `.float()` / `.to(torch.float32)` of a half tensor is remembered
+(with the views taken of it afterwards: view, reshape, flatten, slicing), so that F.cross_entropy on the result can
+be computed from the half tensor: the fp32 copy then lives only during the call that made it.
+
+Off switches: BMT_ROUTE_TORCH_OPS=0 (everything) or BMT_ROUTE_TORCH_OPS=linear,layer_norm (only those; names
+below); from code, set_routing(False) / set_routing(True, ops=(...)), or `with routing(False): ...`.
+A Block whose module is torch.compile'd runs without the mode (the compiled graph has its own kernels).
+"""
+import contextlib
+import math
+import os
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import _C
+
+OPS = ("linear", "layer_norm", "attention", "cross_entropy")
+_ENV = "BMT_ROUTE_TORCH_OPS"
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _from_env():
+    v = os.environ.get(_ENV, "1").strip().lower()
+    if v in ("", "1", "on", "true", "all"):
+        return set(OPS)
+    if v in ("0", "off", "false", "none"):
+        return set()
+    names = {s.strip() for s in v.split(",") if s.strip()}
+    bad = names - set(OPS)
+    if bad:
+        raise ValueError(f"{_ENV}={v!r}: unknown op(s) {sorted(bad)}; use 0, 1 or a comma list of {list(OPS)}")
+    return names
+
+
+_enabled = None  # the set of routed op names; read from the environment on first use
+_counts = dict.fromkeys(OPS, 0)
+
+
+def _on():
+    global _enabled
+    if _enabled is None:
+        _enabled = _from_env()
+    return _enabled
+
+
+def set_routing(enabled, ops=None):
+    """Turns routing on or off for `ops` (names from OPS; default all). Returns the previous set of routed ops."""
+    global _enabled
+    prev = set(_on())
+    names = set(OPS if ops is None else ops)
+    bad = names - set(OPS)
+    if bad:
+        raise ValueError(f"set_routing: unknown op(s) {sorted(bad)}; choose from {list(OPS)}")
+    _enabled = (prev | names) if enabled else (prev - names)
+    return prev
+
+
+def routed_ops():
+    """The op names currently routed (a copy)."""
+    return set(_on())
+
+
+@contextlib.contextmanager
+def routing(enabled, ops=None):
+    """Context manager form of set_routing; restores the previous setting on exit."""
+    global _enabled
+    prev = set_routing(enabled, ops)
+    try:
+        yield
+    finally:
+        _enabled = prev
+
+
+def routed_counts(reset=False):
+    """How many calls each route has taken since the last reset (tests and benchmarks check routing happened)."""
+    out = dict(_counts)
+    if reset:
+        for k in _counts:
+            _counts[k] = 0
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- the routes
+
+def _plain(*ts):
+    # torch tensors and parameters (a running Block's DistributedParameters among them), not other subclasses
+    return all(t is None or type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter) for t in ts)
+
+
+def _linear(args, kwargs):
+    x, w, b = (list(args) + [None, None, None])[:3]
+    w = kwargs.get("weight", w)
+    b = kwargs.get("bias", b)
+    x = kwargs.get("input", x)
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and _plain(x, w, b)) or w.dim() != 2:
+        return NotImplemented
+    _counts["linear"] += 1
+    return _C.nn.linear(x, w, b)
+
+
+def _layer_norm(args, kwargs):
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    a = dict(zip(names, args), **kwargs)
+    x, shape = a.get("input"), a.get("normalized_shape")
+    w, b, eps = a.get("weight"), a.get("bias"), a.get("eps", 1e-5)
+    if not isinstance(x, torch.Tensor) or not _plain(x, w, b) or x.dim() < 1:
+        return NotImplemented
+    shape = tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else (shape,)
+    if len(shape) != 1 or shape[0] != x.shape[-1]:
+        return NotImplemented
+    if (w is not None and tuple(w.shape) != shape) or (b is not None and tuple(b.shape) != shape):
+        return NotImplemented  # torch's own error message
+    _counts["layer_norm"] += 1
+    return _C.nn.layer_norm(x, int(shape[0]), w, b, float(eps))
+
+
+def _attention(args, kwargs):
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    a = dict(zip(names, args), **kwargs)
+    q, k, v = a.get("query"), a.get("key"), a.get("value")
+    if not (a.get("is_causal", False) and a.get("attn_mask") is None and a.get("dropout_p", 0.0) == 0.0):
+        return NotImplemented
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not _plain(q, k, v):
+        return NotImplemented
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0]:
+        return NotImplemented
+    if q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3] or not (q.dtype == k.dtype == v.dtype):
+        return NotImplemented  # the causal mask of unequal lengths is torch's top-left one: not ours
+    hq, hk = q.shape[1], k.shape[1]
+    if hq != hk and not (a.get("enable_gqa", False) and hq % hk == 0):
+        return NotImplemented
+    scale = a.get("scale")
+    if scale is not None and scale != 1.0 / math.sqrt(q.shape[-1]):
+        return NotImplemented
+    _counts["attention"] += 1
+    return _C.nn.causal_attention(q, k, v)
+
+
+# Upcasts seen by the mode: id(fp32 result) -> (weakref to it, half source, view ops applied since).
+_upcasts = {}
+_VIEW_FUNCS = {torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten, torch.Tensor.contiguous,
+               torch.Tensor.__getitem__, torch.reshape, torch.flatten}
+
+
+def _remember(out, src, chain):
+    key = id(out)
+    _upcasts[key] = (weakref.ref(out, lambda _r, key=key: _upcasts.pop(key, None)), src, chain)
+
+
+def _upcast_source(t):
+    rec = _upcasts.get(id(t))
+    if rec is None or rec[0]() is not t:
+        return None
+    return rec
+
+
+def _is_fp32_upcast(func, args, kwargs):
+    """`t.float()` or `t.to(torch.float32)` (any spelling without a device change) of a half tensor."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].dtype not in _HALF:
+        return False
+    if func is torch.Tensor.float:
+        return True
+    if func is torch.Tensor.to:
+        rest = list(args[1:])
+        dtype = kwargs.get("dtype", rest[0] if rest and isinstance(rest[0], torch.dtype) else None)
+        return dtype is torch.float32 and "device" not in kwargs and not any(
+            isinstance(r, (torch.device, str, torch.Tensor)) for r in rest)
+    return False
+
+
+def _cross_entropy(args, kwargs):
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+    a = dict(zip(names, args), **kwargs)
+    x, t = a.get("input"), a.get("target")
+    if a.get("weight") is not None or a.get("size_average") is not None or a.get("reduce") is not None:
+        return NotImplemented
+    if not isinstance(x, torch.Tensor) or not isinstance(t, torch.Tensor) or x.dtype != torch.float32:
+        return NotImplemented  # half logits: torch's half-precision loss is what the user wrote
+    if x.dim() != 2 or t.dim() != 1 or t.dtype != torch.int64 or t.shape[0] != x.shape[0]:
+        return NotImplemented
+    reduction = a.get("reduction", "mean")
+    if reduction not in ("mean", "sum", "none"):
+        return NotImplemented
+    rec = _upcast_source(x)
+    logits = x
+    if rec is not None:  # the same values, from the half tensor (the upcast is exact)
+        logits = rec[1]
+        for f, fargs, fkwargs in rec[2]:
+            logits = f(logits, *fargs, **fkwargs)
+    _counts["cross_entropy"] += 1
+    return _C.fused_cross_entropy(logits, t, int(a.get("ignore_index", -100)), reduction,
+                                  float(a.get("label_smoothing", 0.0)), False, False)
+
+
+_ROUTES = {torch._C._nn.linear: ("linear", _linear), F.layer_norm: ("layer_norm", _layer_norm),
+           torch._C._nn.scaled_dot_product_attention: ("attention", _attention),
+           F.cross_entropy: ("cross_entropy", _cross_entropy)}
+
+
+class _RoutingMode(TorchFunctionMode):
+    """layers=True: inside a Block (every route); False: the loss window (cross-entropy and upcasts only)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers
+        self.live = True  # the loss window sets it False when it could not leave the stack yet
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        route = _ROUTES.get(func)
+        if route is None or not self.live or torch.compiler.is_compiling():
+            out = func(*args, **kwargs)
+            if not self.layers and self.live and isinstance(out, torch.Tensor) and not torch.compiler.is_compiling():
+                _track_upcast(func, args, kwargs, out)
+            return out
+        name, fn = route
+        if name in _on() and (self.layers or name == "cross_entropy"):
+            out = fn(args, kwargs)
+            if out is not NotImplemented:
+                if not self.layers:
+                    self.live = False  # one loss per window; it leaves the stack at the next close
+                return out
+        return func(*args, **kwargs)
+
+
+def _track_upcast(func, args, kwargs, out):
+    """The loss window: remembers fp32 upcasts of half tensors and the views taken of them."""
+    if func in _VIEW_FUNCS:
+        rec = _upcast_source(args[0]) if args and isinstance(args[0], torch.Tensor) else None
+        if rec is not None and not any(isinstance(v, torch.dtype) for v in (*args[1:], *kwargs.values())):
+            _remember(out, rec[1], rec[2] + ((func, tuple(args[1:]), kwargs),))
+    elif _is_fp32_upcast(func, args, kwargs):
+        _remember(out, args[0], ())
+
+
+_tls = threading.local()  # depth: Block forward functions running on this thread
+
+
+def run_routed(module, run):
+    """run() under the routing mode unless routing is off or `module` is torch.compile'd."""
+    _tls.depth = getattr(_tls, "depth", 0) + 1
+    try:
+        if not _on() or _is_compiled(module):
+            return run()
+        with _RoutingMode(layers=True):
+            return run()
+    finally:
+        _tls.depth -= 1
+
+
+def _is_compiled(module):
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+
+
+# ---------------------------------------------------------------------------------------------- the loss window
+
+_window = None
+
+
+def open_window():
+    """After a top-level Block / TransformerBlockList forward that records gradients: route the loss."""
+    global _window
+    if getattr(_tls, "depth", 0):
+        return  # a Block called inside another Block's forward: not the model's output
+    _close_window()
+    if "cross_entropy" not in _on() or not torch.is_grad_enabled() or _window is not None:
+        return
+    mode = _RoutingMode(layers=False)
+    mode.__enter__()
+    _window = mode
+
+
+def _close_window():
+    """Leaves the stack if on top; otherwise (a mode entered since is above it) goes inert until a later close."""
+    global _window
+    w = _window
+    if w is None or getattr(_tls, "depth", 0):
+        return
+    w.live = False
+    n = torch._C._len_torch_function_stack()
+    if n > 0 and torch._C._get_function_stack_at(n - 1) is w:
+        w.__exit__(None, None, None)
+        _window = None
+
+
+def close_window():
+    """Before the next forward, OptimManager.backward() and zero_grad()."""
+    _close_window()
+    _upcasts.clear()

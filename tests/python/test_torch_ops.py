@@ -1,0 +1,78 @@
+"""bmt.torch_ops and the step inside the backward (workers/w_torch_ops.py, worlds 1 and 2), the same cases with
+BMT_ROUTE_TORCH_OPS=0, torch.compile inside a Block (workers/w_torch_compile.py) and the torch-ops benchmark
+script's CPU smoke run."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from launcher import REPO, effective_world, run_case, worker_cases
+
+WORKER = "w_torch_ops"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", worker_cases(WORKER))
+def test_torch_ops(launcher, case, world):
+    run_case(launcher, WORKER, case, world)
+
+
+@pytest.mark.parametrize("case", ["layers_match_plain_ops", "attention_variants", "cross_entropy_of_upcast_logits"])
+def test_torch_ops_env_off(launcher, case):
+    """BMT_ROUTE_TORCH_OPS=0: nothing is routed and the results still equal the plain ops."""
+    res = launcher.result(WORKER, 2, extra_args=("route-off",), extra_env={"BMT_ROUTE_TORCH_OPS": "0"})
+    skip = res.check(case)
+    assert not skip, skip
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", worker_cases("w_torch_compile"))
+def test_torch_compile_in_block(launcher, case, world):
+    # inductor compiles C++ on the CPU: minutes on a busy 2-core machine, so this launch gets 10 of them
+    old = os.environ.get("BMT_TEST_TIMEOUT")
+    os.environ["BMT_TEST_TIMEOUT"] = str(max(600.0, float(old or 0)))
+    try:
+        res = launcher.result("w_torch_compile", world)
+    finally:
+        if old is None:
+            del os.environ["BMT_TEST_TIMEOUT"]
+        else:
+            os.environ["BMT_TEST_TIMEOUT"] = old
+    assert effective_world(world) == res.nproc
+    skip = res.check(case)
+    assert not skip, skip
+
+
+def test_torchops_bench_smoke():
+    """bench/torchops_gpt.py on the tiny preset, CPU: the package (routing and step inside the backward on),
+    plain PyTorch and FSDP2 each write one JSON row with the benchmark's fields."""
+    out = tempfile.mkdtemp(prefix="bmt_torchops_bench_")
+    path = os.path.join(out, "rows.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", BMT_CALL_ID="smoke-call",
+               PYTHONPATH=os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", "")] if p))
+    script = os.path.join(REPO, "bench", "torchops_gpt.py")
+    runs = [["--framework", "bmtrain", "--dtype", "bf16", "--checkpointing"], ["--framework", "plain"],
+            ["--framework", "fsdp2"]]
+    for extra in runs:
+        cmd = [sys.executable, script, "--preset", "tiny", "--warmup", "1", "--steps", "2", "--json", path] + extra
+        if extra[1] == "bmtrain":  # world 1 through torchrun's environment
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] + cmd[1:]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert r.returncode == 0, f"{extra}: rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    rows = [json.loads(line) for line in open(path)]
+    assert [r["framework"] for r in rows] == ["bmtrain-py-torchops", "plain", "fsdp2"]
+    for r in rows:
+        for key in ("framework", "config", "tokens_per_s", "peak_gpu_gib", "git_commit", "call_id"):
+            assert key in r, f"{r['framework']}: no {key}"
+        assert r["call_id"] == "smoke-call" and r["tokens_per_s"] > 0
+    bmt_row = rows[0]
+    assert bmt_row["config"] == "tiny seq64 batch4 ckpt"
+    # every op of the model reached the engine, and the loop got the step inside the backward
+    assert all(bmt_row["routed_calls"][op] > 0 for op in ("linear", "layer_norm", "attention", "cross_entropy")), \
+        bmt_row["routed_calls"]
+    assert bmt_row["step_in_backward"] is True
+    # the same initial values and batches: the first loss of every framework agrees
+    assert abs(rows[1]["loss_first"] - rows[2]["loss_first"]) < 1e-4
