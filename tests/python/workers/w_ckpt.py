@@ -158,7 +158,7 @@ def ckpt_errors():
                   ["cannot load checkpoint " + missing, "no such directory"])
     flipped = _damaged_copy("flipped", _flip)
     _expect_error("flipped bytes", lambda: bmt.load_checkpoint(flipped, model, om),
-                  ["checksum mismatch", "rank-00000.bin", "partly overwritten"])
+                  ["checksum mismatch", "rank-00000.bin"])
     truncated = _damaged_copy("truncated", _truncate)
     _expect_error("truncated shard", lambda: bmt.load_checkpoint(truncated, model, om),
                   [truncated + "/rank-00001.bin", "truncated"])
