@@ -21,7 +21,15 @@ std::string describe(const std::exception& e) {
 
 }  // namespace
 
-void TorchStore::set(const std::string& key, const std::vector<uint8_t>& value) { store_->set(key, value); }
+// The store's own errors (its host died: "Broken pipe", "Connection reset") as one DistError line without torch's
+// backtrace, naming the operation.
+void TorchStore::set(const std::string& key, const std::vector<uint8_t>& value) {
+  try {
+    store_->set(key, value);
+  } catch (const std::exception& e) {
+    throw core::DistError(core::concat("rendezvous store: setting key '", key, "' failed: ", describe(e)));
+  }
+}
 
 std::vector<uint8_t> TorchStore::get(const std::string& key) {
   try {
@@ -32,7 +40,13 @@ std::vector<uint8_t> TorchStore::get(const std::string& key) {
   }
 }
 
-int64_t TorchStore::add(const std::string& key, int64_t delta) { return store_->add(key, delta); }
+int64_t TorchStore::add(const std::string& key, int64_t delta) {
+  try {
+    return store_->add(key, delta);
+  } catch (const std::exception& e) {
+    throw core::DistError(core::concat("rendezvous store: adding to key '", key, "' failed: ", describe(e)));
+  }
+}
 
 c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int port, int rank, int world_size,
                                                   bool use_agent_store, int restart_count,

@@ -106,6 +106,7 @@ struct PeerMonitor::State {
   int dead_rank = -1;
   Clock::time_point last_store_ok = Clock::now();
   std::string last_store_error;
+  bool store_failing = false;  // the last store operation failed
   std::thread thread;
 
   std::string key(const char* what, int r) const { return concat(prefix, "/", what, "/", r); }
@@ -144,10 +145,19 @@ bool adopt_published_verdict(PeerMonitor::State& s) {
   return true;
 }
 
+// The store host's process, read once it has beaten (it publishes its identity before its first beat).
+struct StoreHost {
+  int rank = -1;
+  bool known = false, same_host = false;
+  Identity identity;
+};
+
 void run(const std::shared_ptr<PeerMonitor::State>& s) {
   const Identity me = self_identity();
   Watch w;
   w.peer = s->world > 1 ? (s->rank + 1) % s->world : -1;
+  StoreHost host;
+  host.rank = s->options.store_host_rank != s->rank ? s->options.store_host_rank : -1;
   bool announced = false;
   while (true) {
     {
@@ -161,6 +171,11 @@ void run(const std::shared_ptr<PeerMonitor::State>& s) {
         announced = true;
       }
       s->store->add(s->key("beat", s->rank), 1);
+      if (host.rank >= 0 && !host.known && s->store->add(s->key("beat", host.rank), 0) > 0) {
+        host.identity = decode(text(s->store->get(s->key("id", host.rank))));
+        host.same_host = host.identity.host == me.host && host.identity.pid_ns == me.pid_ns;
+        host.known = true;
+      }
       // Another rank's verdict first: a rank that exits because of it must not be reported as the dead one.
       adopt_published_verdict(*s);
       if (w.peer >= 0 && !s->has_verdict()) {
@@ -208,9 +223,17 @@ void run(const std::shared_ptr<PeerMonitor::State>& s) {
       std::lock_guard<std::mutex> lock(s->mu);
       s->last_store_ok = Clock::now();
       s->last_store_error.clear();
+      s->store_failing = false;
     } catch (const std::exception& e) {
+      // The store is unreachable: no verdict can be published or read. When its host's process on this host is
+      // gone, that is the death to report (this rank's own verdict; every rank finds the same).
+      if (host.known && host.same_host && proc_state(host.identity) == ProcState::kGone)
+        s->set_verdict(host.rank, concat("rank ", host.rank, " is dead: its process (pid ", host.identity.pid,
+                                         " on this host) is gone (killed or crashed); it hosted the rendezvous store",
+                                         " (seen by rank ", s->rank, ")"));
       std::lock_guard<std::mutex> lock(s->mu);
       s->last_store_error = e.what();
+      s->store_failing = true;
     }
   }
   try {
@@ -260,9 +283,14 @@ std::string PeerMonitor::verdict() const {
   if (!state_->verdict.empty()) return state_->verdict;
   const double silent_s = seconds_since(state_->last_store_ok);
   if (silent_s * 1000.0 > static_cast<double>(state_->options.stale_ms))
-    return concat("the rendezvous store did not answer for ", fixed1(silent_s), " s (",
-                  state_->last_store_error.empty() ? "no reply" : state_->last_store_error,
-                  "): the process hosting it (rank 0, or the launcher's agent) probably died or stopped");
+    return concat(state_->options.store_host_rank >= 0
+                      ? concat("rank ", state_->options.store_host_rank, " is probably dead: ")
+                      : std::string(),
+                  "the rendezvous store did not answer for ", fixed1(silent_s), " s (",
+                  state_->last_store_error.empty() ? "no reply" : state_->last_store_error, "): the process hosting it (",
+                  state_->options.store_host_rank >= 0 ? concat("rank ", state_->options.store_host_rank)
+                                                       : std::string("the launcher's agent"),
+                  ") died, stopped or became unreachable");
   return "";
 }
 
