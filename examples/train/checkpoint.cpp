@@ -150,7 +150,7 @@ std::string step_dir_name(int64_t step) {
 }
 
 void write_file_atomic(const std::string& path, const std::string& contents) {
-  const std::string tmp = path + ".tmp-" + bmt::checkpoint::random_hex_suffix();
+  const std::string tmp = path + ".tmp";  // one fixed name: a killed writer leaves no pile of temporaries
   try {  // OutFile's errors name the file, strerror and, for a full disk, the free space
     bmt::checkpoint::OutFile out(tmp);
     out.write(contents.data(), static_cast<int64_t>(contents.size()));

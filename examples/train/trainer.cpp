@@ -279,8 +279,10 @@ void train_loop(Run& run) {
     } else if (save_due && skipped_in_a_row == 1) {
       run.progress->message("checkpoint postponed: step " + std::to_string(step + 1) + " was skipped (inf/NaN)");
     } else if (save_due && guard.suspect_in_a_row() == 1) {
-      run.progress->message("checkpoint postponed: the loss of step " + std::to_string(step + 1) + " is above " +
-                            std::to_string(guard.factor()) + "x its lowest value (divergence guard)");
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "checkpoint postponed: the loss of step %ld is above %gx its lowest value "
+                    "(divergence guard)", static_cast<long>(step + 1), guard.factor());
+      run.progress->message(buf);
     }
   }
   if (save_due && run.rank0)

@@ -13,7 +13,9 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <iterator>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
