@@ -655,8 +655,10 @@ struct Bench {
                   n >= static_cast<double>(a.async_max_steps) ? " [write outlasted --async-max-steps]" : "");
     if (rank == 0)
       std::printf("bench_ckpt: async: first save stall %.4f s (its host buffers prepared ahead by prepare_async_save: "
-                  "call %.3f s, ready after %.2f s and %ld training steps)\n", stalls.front(), prepare_call_s,
-                  prepare_ready_s, static_cast<long>(prepare_steps));
+                  "call %.3f s, ready after %.2f s and %ld training steps, %.4f s per step against %.4f s without)\n",
+                  stalls.front(), prepare_call_s, prepare_ready_s, static_cast<long>(prepare_steps),
+                  prepare_steps > 0 ? (prepare_ready_s - prepare_call_s) / static_cast<double>(prepare_steps) : 0.0,
+                  step_s);
   }
 
   void finish() {

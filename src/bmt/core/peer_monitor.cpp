@@ -169,7 +169,7 @@ void run(const std::shared_ptr<PeerMonitor::State>& s) {
   const Identity me = self_identity();
   Watch w;
   w.peer = s->world > 1 ? (s->rank + 1) % s->world : -1;
-  // The store host's identity, read once it has beaten (it publishes its identity before its first beat).
+  // The store host's identity (it publishes it before its first beat).
   const int host_rank = s->options.store_host_rank != s->rank ? s->options.store_host_rank : -1;
   bool host_read = false;
   bool announced = false;
@@ -185,7 +185,9 @@ void run(const std::shared_ptr<PeerMonitor::State>& s) {
         announced = true;
       }
       s->store->add(s->key("beat", s->rank), 1);
-      if (host_rank >= 0 && !host_read && s->store->add(s->key("beat", host_rank), 0) > 0) {
+      // A blocking get: the host publishes its identity first thing, so this waits only until its thread ran once
+      // (and a host killed early must still be recognised).
+      if (host_rank >= 0 && !host_read) {
         const Identity id = decode(text(s->store->get(s->key("id", host_rank))));
         host_read = true;
         std::lock_guard<std::mutex> lock(s->mu);
