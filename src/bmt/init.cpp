@@ -71,7 +71,8 @@ std::shared_ptr<core::PeerMonitor> make_peer_monitor(const LaunchEnv& env, std::
   o.store_host_rank = env.use_agent_store ? -1 : 0;  // connect_tcp_store: rank 0 hosts it without an agent
   auto c10_store = connect_tcp_store(env.master_addr, env.master_port, env.rank, env.world_size, env.use_agent_store,
                                      env.restart_count, timeout, /*client_only=*/true);
-  auto store = std::make_shared<TorchStore>(c10::make_intrusive<c10d::PrefixStore>("bmtrain", c10_store));
+  auto store = std::make_shared<TorchStore>(c10::make_intrusive<c10d::PrefixStore>("bmtrain", c10_store),
+                                            /*quiet=*/true);
   return std::make_shared<core::PeerMonitor>(store, "bmt/heartbeat", env.rank, env.world_size, o);
 }
 
