@@ -14,7 +14,7 @@
 #   CKPT_DIR               where checkpoints go (default a fresh directory under /tmp, removed after)
 #   CKPT_DIRECT_PASS=1     then, while >= 150 s are left, one more sharded save + load of the first preset with
 #                          BMT_CKPT_DIRECT=1 (O_DIRECT shard writes; the load after it is cold): 0 drops it
-# Output: the bench's table and RESULT line (with the ratios to dd: save_sharded, save_safetensors against dd write
+# Output: the first async save's stall per preset (a line "first save stall"), the bench's table and RESULT line (with the ratios to dd: save_sharded, save_safetensors against dd write
 # with fsync; load_sharded warm and cold against dd's warm and cold read, and each load's two parts on their own:
 # load_sharded[_cold].model / .state, the model's tensors and the optimizer state, each read into place); JSON lines in $OUT/bench_ckpt/ckpt.jsonl when $OUT is set (else in
 # a temporary directory, printed at the end), plus each preset's log.
@@ -62,4 +62,8 @@ if [ "${CKPT_DIRECT_PASS:-1}" = 1 ] && [ "$left" -ge 150 ]; then
   rm -rf "$BASE/$first-direct"
 fi
 [ -z "${CKPT_DIR:-}" ] && rm -rf "$BASE"
+# The first async save's stall per preset (its buffers pinned ahead by prepare_async_save; issue 36 item 9).
+for preset in $PRESETS; do
+  [ -f "$LOGDIR/$preset.log" ] && grep -h "first save stall" "$LOGDIR/$preset.log" | sed "s/^/run_ckpt_bench: $preset: /"
+done
 echo "run_ckpt_bench: JSON lines in $JSON"

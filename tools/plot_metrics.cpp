@@ -5,9 +5,16 @@
 // task accuracy when the log has one. A resumed run's repeated steps keep their last value.
 // The PNG writer is minimal: 8-bit RGB, filter 0 on every row, zlib stream of stored (uncompressed) deflate
 // blocks, CRC-32 per chunk and Adler-32 over the raw data.
+#include <fcntl.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <cerrno>
+#include <cstring>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -306,9 +313,54 @@ Image plot(const Series& s, const std::string& title) {
   return img;
 }
 
+// Writes `bytes` to a temporary file beside `path` and renames it over `path`: a failure (a full disk) leaves no
+// partial PNG under the final name and says why, with the free space of the filesystem.
+void write_file_atomic(const std::string& path, const std::vector<uint8_t>& bytes) {
+  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  auto fail = [&](const std::string& what, int err) {
+    ::unlink(tmp.c_str());
+    std::string why = std::strerror(err);
+    if (err == ENOSPC || err == EDQUOT || err == EFBIG) {
+      const size_t slash = path.rfind('/');
+      const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+      struct statvfs st {};
+      if (err != EFBIG && ::statvfs(dir.c_str(), &st) == 0) {
+        char buf[128];
+        std::snprintf(buf, sizeof buf, " (%.1f MiB free in %s)",
+                      static_cast<double>(st.f_bavail) * static_cast<double>(st.f_frsize) / (1 << 20), dir.c_str());
+        why += buf;
+      } else if (err == EFBIG) {
+        why += " (the file-size limit: check `ulimit -f`)";
+      }
+    }
+    throw std::runtime_error("cannot " + what + " '" + path + "': " + why);
+  };
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail("create", errno);
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const int err = w < 0 ? errno : ENOSPC;
+      ::close(fd);
+      fail("write", err);
+    }
+    done += static_cast<size_t>(w);
+  }
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail("write", err);
+  }
+  if (::close(fd) != 0) fail("write", errno);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename the temporary file onto", errno);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::signal(SIGXFSZ, SIG_IGN);  // a file-size limit: an error (EFBIG), not death
   if (argc != 3 && !(argc == 5 && std::string(argv[3]) == "--title")) {
     std::fprintf(stderr, "usage: bmt-plot-metrics metrics.jsonl out.png [--title TEXT]\n");
     return 2;
@@ -317,9 +369,7 @@ int main(int argc, char** argv) {
     const Series s = read_metrics(argv[1]);
     if (s.train.empty() && s.eval.empty()) throw std::runtime_error(std::string("no loss values in '") + argv[1] + "'");
     const std::vector<uint8_t> png = encode_png(plot(s, argc == 5 ? argv[4] : argv[1]));
-    std::ofstream out(argv[2], std::ios::binary);
-    out.write(reinterpret_cast<const char*>(png.data()), static_cast<std::streamsize>(png.size()));
-    if (!out) throw std::runtime_error(std::string("cannot write '") + argv[2] + "'");
+    write_file_atomic(argv[2], png);
     std::printf("wrote %s (%zu train points, %zu eval points)\n", argv[2], s.train.size(), s.eval.size());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bmt-plot-metrics: %s\n", e.what());

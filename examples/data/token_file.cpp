@@ -16,6 +16,11 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY);
   BMT_CHECK(fd >= 0, "cannot open data file '", path, "': ", std::strerror(errno));
   struct stat st {};
+  if (::fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {  // a directory would fail later as "No such device"
+    ::close(fd);
+    BMT_ERROR("--data '", path, "' is ", S_ISDIR(st.st_mode) ? "a directory" : "not a regular file",
+              "; give one file: a text file (bytes) or a uint16 .bin token file (llm.c or nanoGPT layout)");
+  }
   if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
     ::close(fd);
     BMT_ERROR("data file '", path, "' is empty or unreadable");

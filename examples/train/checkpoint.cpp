@@ -12,6 +12,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "bmt/checkpoint/checkpoint_reader.h"
+#include "bmt/checkpoint/file_io.h"
 #include "bmt/checkpoint/sharded_checkpoint.h"
 #include "bmt/core/error.h"
 #include "bmt/runtime/distributed.h"
@@ -71,19 +73,56 @@ int64_t step_of(const std::string& name) {
   return std::stoll(name.substr(5));
 }
 
-std::vector<std::string> prune_old(const std::string& root, const std::string& keep_name, int64_t keep_last) {
+// The run id a step folder's metadata names; empty when it has none or cannot be read (then it is not ours).
+std::string run_id_of(const std::string& dir) {
+  try {
+    const bmt::checkpoint::CheckpointReader reader(dir);
+    const auto& meta = reader.metadata().user_metadata;
+    auto it = meta.find("trainer.run_id");
+    return it == meta.end() ? std::string() : it->second;
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
+std::vector<std::string> step_folders(const std::string& root) {
   std::vector<std::string> steps;
   for (const std::string& n : list_names(root))
     if (step_of(n) >= 0 && is_dir(join(root, n))) steps.push_back(n);  // sorted: zero-padded names
+  return steps;
+}
+
+// Only this run's step folders count and are deleted: another run's (or one without a run id) stay.
+std::vector<std::string> prune_old(const std::string& root, const std::string& keep_name, int64_t keep_last,
+                                   const std::string& run_id) {
   std::vector<std::string> removed;
-  if (keep_last <= 0 || static_cast<int64_t>(steps.size()) <= keep_last) return removed;
-  for (size_t i = 0; i + static_cast<size_t>(keep_last) < steps.size(); ++i) {
-    if (steps[i] == keep_name) continue;
-    remove_tree(join(root, steps[i]));
-    removed.push_back(join(root, steps[i]));
+  if (keep_last <= 0) return removed;
+  std::vector<std::string> ours;
+  for (const std::string& n : step_folders(root))
+    if (n == keep_name || run_id_of(join(root, n)) == run_id) ours.push_back(n);
+  if (static_cast<int64_t>(ours.size()) <= keep_last) return removed;
+  for (size_t i = 0; i + static_cast<size_t>(keep_last) < ours.size(); ++i) {
+    if (ours[i] == keep_name) continue;
+    remove_tree(join(root, ours[i]));
+    removed.push_back(join(root, ours[i]));
   }
   fsync_directory(root);
   return removed;
+}
+
+// Printable: control bytes (a NUL included, which would cut a C string) and non-ASCII bytes as \xNN.
+std::string escaped(const std::string& s) {
+  std::string out;
+  char buf[8];
+  for (unsigned char c : s) {
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out += static_cast<char>(c);
+    } else {
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    }
+  }
+  return out;
 }
 
 bmt::checkpoint::TrainingState training_state(LanguageModel& model, bmt::optim::OptimManager& optim) {
@@ -112,29 +151,62 @@ std::string step_dir_name(int64_t step) {
 }
 
 void write_file_atomic(const std::string& path, const std::string& contents) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  BMT_CHECK(fd >= 0, "cannot create '", tmp, "': ", std::strerror(errno));
-  size_t done = 0;
-  int err = 0;
-  while (done < contents.size()) {
-    const ssize_t w = ::write(fd, contents.data() + done, contents.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      err = w < 0 ? errno : EIO;
-      break;
-    }
-    done += static_cast<size_t>(w);
-  }
-  if (err == 0 && ::fsync(fd) != 0) err = errno;
-  if (::close(fd) != 0 && err == 0) err = errno;
-  if (err != 0) {
+  const std::string tmp = path + ".tmp";  // one fixed name: a killed writer leaves no pile of temporaries
+  try {  // OutFile's errors name the file, strerror and, for a full disk, the free space
+    bmt::checkpoint::OutFile out(tmp);
+    out.write(contents.data(), static_cast<int64_t>(contents.size()));
+    out.sync();
+    out.close();
+    bmt::checkpoint::rename_path(tmp, path);
+  } catch (...) {
     ::unlink(tmp.c_str());
-    BMT_ERROR("cannot write '", tmp, "': ", std::strerror(err), " (disk full?)");
+    throw;
   }
-  BMT_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename '", tmp, "' to '", path, "': ",
-            std::strerror(errno));
   fsync_directory(parent_of(path));
+}
+
+std::string draw_run_id() {
+  const auto& cfg = bmt::config();
+  // 60 random bits from rank 0 (fits an int64 exactly in any dtype path), the same id on every rank.
+  const std::string hex = bmt::checkpoint::random_hex_suffix().substr(0, 15);
+  at::Tensor id = at::full({1}, static_cast<int64_t>(std::stoull(hex, nullptr, 16)),
+                           at::TensorOptions().dtype(at::kLong).device(cfg.device));
+  id = bmt::distributed::raw_broadcast(id, 0, *cfg.comm).cpu();
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "%015llx", static_cast<unsigned long long>(id.item<int64_t>()));
+  return buf;
+}
+
+void claim_save_dir(const std::string& root, bool resume_requested, bool overwrite) {
+  const auto& cfg = bmt::config();
+  std::vector<std::string> found = step_folders(root);
+  const bool has_latest = bmt::checkpoint::path_exists(join(root, "latest"));
+  // Rank 0 decides (ranks on other machines may not see the folder), every rank raises the same error.
+  at::Tensor verdict = at::full({1}, static_cast<int64_t>(!found.empty() || has_latest),
+                                at::TensorOptions().dtype(at::kLong).device(cfg.device));
+  if (bmt::distributed::raw_broadcast(verdict, 0, *cfg.comm).cpu().item<int64_t>() == 0) return;
+  if (has_latest) found.push_back("latest");
+  std::string listing;
+  for (size_t i = 0; i < found.size() && i < 4; ++i) listing += (i ? ", " : "") + found[i];
+  if (found.size() > 4) listing += ", ... (" + std::to_string(found.size()) + " entries)";
+  if (overwrite) {
+    if (cfg.rank == 0) {
+      for (const std::string& n : found) remove_tree(join(root, n));
+      fsync_directory(root);
+      std::printf("--overwrite-checkpoints: deleted %s from %s\n", listing.c_str(), root.c_str());
+      std::fflush(stdout);
+    }
+    bmt::synchronize();
+    return;
+  }
+  BMT_CHECK(!resume_requested || has_latest, "--resume found no ", join(root, "latest"), " but ", root,
+            " holds checkpoints (", listing, "): to continue from one, write its folder name into ",
+            join(root, "latest"), " (echo ", found.empty() ? std::string("step_<n>") : found.back(), " > ",
+            join(root, "latest"), "); to start a new run, "
+            "choose a new --save-dir or add --overwrite-checkpoints (deletes them)");
+  BMT_ERROR("the save folder ", root, " already holds checkpoints (", listing, ") of another run, which this fresh "
+            "run would overwrite: continue that run with --resume, or start this one in a new --save-dir, or add "
+            "--overwrite-checkpoints (deletes them first)");
 }
 
 namespace {
@@ -150,13 +222,15 @@ namespace {
 }  // namespace
 
 CheckpointInFlight start_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
-                                    bmt::optim::OptimManager& optim, int64_t keep_last, bool async) {
+                                    bmt::optim::OptimManager& optim, int64_t keep_last, const std::string& run_id,
+                                    bool async) {
   const auto& cfg = bmt::config();
   CheckpointInFlight out;
   out.root = root;
   out.name = step_dir_name(step);
   out.step = step;
   out.keep_last = keep_last;
+  out.run_id = run_id;
   if (cfg.rank == 0) {  // a failure shows as the save's own (agreed) error below
     std::error_code ec;
     std::filesystem::create_directories(root, ec);
@@ -165,7 +239,8 @@ CheckpointInFlight start_checkpoint(const std::string& root, int64_t step, Langu
   state.step = step;
   state.user_metadata = {{"trainer.step", std::to_string(step)},
                          {"trainer.world_size", std::to_string(cfg.world_size)},
-                         {"trainer.tp_size", std::to_string(cfg.tp_size)}};
+                         {"trainer.tp_size", std::to_string(cfg.tp_size)},
+                         {"trainer.run_id", run_id}};
   bmt::checkpoint::SaveOptions options;
   options.async = async;
   try {
@@ -187,15 +262,15 @@ SavedCheckpoint finish_checkpoint(CheckpointInFlight& in_flight) {
   test_kill_point("commit", in_flight.step);  // the folder is committed, `latest` not yet moved
   if (bmt::config().rank == 0) {
     write_file_atomic(join(in_flight.root, "latest"), in_flight.name + "\n");
-    out.removed = prune_old(in_flight.root, in_flight.name, in_flight.keep_last);
+    out.removed = prune_old(in_flight.root, in_flight.name, in_flight.keep_last, in_flight.run_id);
   }
   bmt::synchronize();
   return out;
 }
 
 SavedCheckpoint save_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
-                                bmt::optim::OptimManager& optim, int64_t keep_last) {
-  CheckpointInFlight in_flight = start_checkpoint(root, step, model, optim, keep_last, /*async=*/false);
+                                bmt::optim::OptimManager& optim, int64_t keep_last, const std::string& run_id) {
+  CheckpointInFlight in_flight = start_checkpoint(root, step, model, optim, keep_last, run_id, /*async=*/false);
   return finish_checkpoint(in_flight);
 }
 
@@ -204,11 +279,15 @@ std::optional<ResumeInfo> load_checkpoint(const std::string& root, LanguageModel
   const std::string latest = join(root, "latest");
   struct stat st {};
   if (::stat(latest.c_str(), &st) != 0) return std::nullopt;
-  std::string name;
-  std::ifstream(latest) >> name;
+  std::string name = bmt::checkpoint::read_file(latest, 4096);
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ' || name.back() == '\r')) name.pop_back();
   const std::string fix = "resume from an earlier checkpoint by writing its folder name (ls " + root +
                           ") into " + latest + ", or delete " + latest + " to start over";
   BMT_CHECK(!name.empty(), "cannot resume: ", latest, " is empty; ", fix);
+  bool plain = true;  // one folder name: no path separator, no control or non-ASCII bytes
+  for (unsigned char c : name) plain = plain && c > 0x20 && c < 0x7f && c != '/';
+  BMT_CHECK(plain && name != "." && name != "..", "cannot resume: ", latest, " holds \"", escaped(name),
+            "\", not a checkpoint folder name (such as step_00000010); ", fix);
   ResumeInfo info;
   info.dir = join(root, name);
   bmt::checkpoint::TrainingState state = training_state(model, optim);
@@ -226,6 +305,7 @@ std::optional<ResumeInfo> load_checkpoint(const std::string& root, LanguageModel
   info.saved_world_size = static_cast<int>(meta_int("trainer.world_size", loaded.saved_world_size));
   info.saved_tp_size = static_cast<int>(meta_int("trainer.tp_size", 1));
   info.rng_restored = loaded.rng_restored;
+  if (auto it = loaded.user_metadata.find("trainer.run_id"); it != loaded.user_metadata.end()) info.run_id = it->second;
   return info;
 }
 

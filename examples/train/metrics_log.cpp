@@ -1,21 +1,33 @@
 #include "train/metrics_log.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 
+#include "bmt/checkpoint/file_io.h"
 #include "bmt/core/error.h"
 
 namespace examples {
 
-MetricsLog::MetricsLog(const std::string& path, bool append) {
-  file_ = std::fopen(path.c_str(), append ? "a" : "w");
-  BMT_CHECK(file_ != nullptr, "cannot open metrics file '", path, "': ", std::strerror(errno));
+MetricsLog::MetricsLog(const std::string& path, bool append) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC), 0644);
+  const int err = errno;
+  BMT_CHECK(fd_ >= 0, "cannot open metrics file '", path, "': ", bmt::checkpoint::describe_write_error(path, err));
 }
 
 MetricsLog::~MetricsLog() {
-  if (file_) std::fclose(file_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void MetricsLog::close() {
+  if (fd_ < 0) return;
+  const int rc = ::close(fd_), err = errno;
+  fd_ = -1;
+  BMT_CHECK(rc == 0, "closing metrics file '", path_, "' failed: ", bmt::checkpoint::describe_write_error(path_, err));
 }
 
 std::string to_json_line(const MetricFields& fields) {
@@ -40,10 +52,23 @@ std::string to_json_line(const MetricFields& fields) {
 }
 
 void MetricsLog::write(const MetricFields& fields) {
-  if (!file_) return;
-  std::string line = to_json_line(fields) + "\n";
-  std::fwrite(line.data(), 1, line.size(), file_);
-  std::fflush(file_);
+  if (fd_ < 0) return;
+  const std::string line = to_json_line(fields) + "\n";
+  const off_t start = ::lseek(fd_, 0, SEEK_END);
+  size_t done = 0;
+  while (done < line.size()) {
+    const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
+    const int err = w < 0 ? errno : ENOSPC;  // no progress without an error: treat as a full disk
+    if (w < 0 && err == EINTR) continue;
+    if (w <= 0) {
+      if (start >= 0) (void)::ftruncate(fd_, start);  // no half line left behind
+      ::close(fd_);
+      fd_ = -1;
+      BMT_ERROR("cannot write the metrics file '", path_, "': ", bmt::checkpoint::describe_write_error(path_, err),
+                "; the lines so far are complete. Free space, or give --metrics a path on another disk");
+    }
+    done += static_cast<size_t>(w);
+  }
 }
 
 MetricFields inspect_fields(const std::vector<bmt::inspect::TensorStats>& rows) {

@@ -1,10 +1,12 @@
 // MetricsLog: a JSONL file with one flat JSON object per line, e.g.
 //   {"step": 10, "loss": 2.31, "lr": 0.003, "tokens_per_s": 41230, "eval_loss": null, "task_acc": null}
-// Values are numbers or null (not measured at this step). Lines are flushed as written so a crashed or running
-// job can be plotted (tools/plot_metrics.cpp). An empty path disables it; append continues a resumed run's log.
+// Values are numbers or null (not measured at this step). Each line is written whole with write(2) as it comes,
+// so a crashed or running job can be plotted (tools/plot_metrics.cpp). A failed write (a full disk) throws,
+// naming the file and the free space, after cutting the file back to its last complete line. An empty path
+// disables it; append continues a resumed run's log.
 #pragma once
 
-#include <cstdio>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
@@ -20,20 +22,27 @@ class MetricsLog {
  public:
   MetricsLog() = default;
   MetricsLog(const std::string& path, bool append);  // throws bmt::core::Error when the file cannot be opened
-  ~MetricsLog();
+  ~MetricsLog();  // closes without reporting (close() reports)
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;
-  MetricsLog(MetricsLog&& other) noexcept : file_(other.file_) { other.file_ = nullptr; }
+  MetricsLog(MetricsLog&& other) noexcept { swap(other); }
   MetricsLog& operator=(MetricsLog&& other) noexcept {
-    std::swap(file_, other.file_);
+    swap(other);
     return *this;
   }
 
   void write(const MetricFields& fields);
-  bool enabled() const { return file_ != nullptr; }
+  // Closes the file, throwing on a write-back error; later writes are ignored.
+  void close();
+  bool enabled() const { return fd_ >= 0; }
 
  private:
-  std::FILE* file_ = nullptr;
+  void swap(MetricsLog& o) noexcept {
+    std::swap(fd_, o.fd_);
+    std::swap(path_, o.path_);
+  }
+  int fd_ = -1;
+  std::string path_;
 };
 
 // inspect_model rows as fields "inspect.<name>.<stat>" (mean, std, min, max, grad_mean, grad_std, grad_min,

@@ -98,6 +98,15 @@ TrainSettings resolve_settings(const TrainArgs& args, const Dataset& data) {
   s.task_rows = (args.task_rows + s.dp - 1) / s.dp * s.dp;
   s.dtype = args.dtype == "fp32" ? at::kFloat : args.dtype == "bf16" ? at::kBFloat16 : default_param_dtype();
 
+  // The held-out task (evaluated without a pipeline) feeds whole rows: the model's positions must hold them.
+  if (s.task_rows > 0 && args.pp == 1) {
+    if (const std::optional<TaskBatch> task = data.task_batch(1)) {
+      const int64_t need_seq = task->tokens.size(1) - 1;
+      BMT_CHECK(s.seq >= need_seq, "--seq ", s.seq, " is shorter than the ", need_seq, " tokens one row of the "
+                "held-out task needs (", data.describe(), "); use --seq ", need_seq, " or more, or --task-rows 0 to "
+                "skip the task accuracy");
+    }
+  }
   const int64_t need = seq_dependent_nbytes(mc, s.batch, s.seq, cfg.tp_size, args.checkpointing,
                                             at::elementSize(s.dtype));
   const int64_t have = rank_memory_nbytes();

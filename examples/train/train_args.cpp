@@ -36,13 +36,20 @@ std::string train_usage() {
   --eval-every K      held-out loss (and task accuracy) every K steps; --eval-batches N
   --save-every K --save-dir D    checkpoints every K steps and at the end: D/step_<n> (bmtrain's sharded,
                       checksummed format: model, optimizer, LR schedule, RNG; `bmt-ckpt verify D/step_<n>`)
-                      and D/latest; --resume continues from D/latest, also at another world or tp size
-                      (optimizer state resharded, not restarted)
+                      and D/latest; --save-dir alone: one checkpoint at the end (default D: checkpoints);
+                      --resume continues from D/latest, also at another world or tp size (optimizer state
+                      resharded, not restarted). A fresh run refuses a D that already holds checkpoints
+                      (another run's); --overwrite-checkpoints deletes them instead
   --async-save        write each checkpoint in the background (the state is copied to host memory first, so
                       training goes on); `latest` moves onto it when the next save starts or the run ends
-  --keep-last K       keep the newest K checkpoints, delete older ones after each new one (default 0: all)
+  --keep-last K       keep the newest K checkpoints of this run (a run id in each checkpoint's metadata, kept
+                      across --resume), delete its older ones after each new one (default 0: all); other
+                      runs' checkpoints are never deleted
   --max-skipped-steps N  stop with an error after N steps in a row skipped for inf/NaN (default 20); a
                       checkpoint due on a skipped step waits for the next good one
+  --divergence-factor K --divergence-steps N   divergence guard for a loss that stays finite: a loss above K x
+                      the lowest loss of this run is suspect (a checkpoint due then waits), N suspect steps in
+                      a row stop the run with an error, without saving (default 3 and 10; K 0: off)
   --metrics PATH.jsonl           one JSON object per step (rank 0)
   --inspect-every N   every N steps, after the backward: mean/std/min/max of every parameter and of its
                       gradient (bmt::inspect::inspect_model, over all shards) in that step's metrics line,
@@ -97,6 +104,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       {"--eval-every", i64(a.eval_every)}, {"--eval-batches", i64(a.eval_batches)},
       {"--task-rows", i64(a.task_rows)}, {"--save-every", i64(a.save_every)}, {"--save-dir", str(a.save_dir)},
       {"--keep-last", i64(a.keep_last)}, {"--max-skipped-steps", i64(a.max_skipped_steps)},
+      {"--divergence-factor", f64(a.divergence_factor)}, {"--divergence-steps", i64(a.divergence_steps)},
       {"--metrics", str(a.metrics_path)}, {"--progress", str(a.progress)}, {"--log-every", i64(a.log_every)},
       {"--inspect-every", i64(a.inspect_every)},
       {"--samples", i64(a.samples)}, {"--sample-tokens", i64(a.sample_tokens)}, {"--top-k", i64(a.top_k)},
@@ -124,6 +132,8 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       a.resume = true;
     } else if (arg == "--async-save") {
       a.async_save = true;
+    } else if (arg == "--overwrite-checkpoints") {
+      a.overwrite_checkpoints = true;
     } else if (auto it = valued.find(arg); it != valued.end()) {
       if (!inline_value) {
         BMT_CHECK(i + 1 < argc, "option ", arg, " needs a value");
@@ -135,6 +145,8 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       BMT_ERROR("unknown option '", arg, "' (see --help)");
     }
   }
+  a.save_dir_given = given.count("--save-dir") > 0;
+  BMT_CHECK(!a.save_dir.empty(), "option --save-dir needs a folder name, got ''");
   // Given values must be usable: -1 means "the preset's default" only when the option is absent.
   auto positive = [&](const char* opt, double v) {
     BMT_CHECK(!given.count(opt) || (v > 0 && std::isfinite(v)), "option ", opt, " must be positive, got '",
@@ -150,6 +162,9 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
   positive("--eval-every", static_cast<double>(a.eval_every));
   positive("--eval-batches", static_cast<double>(a.eval_batches));
   positive("--max-skipped-steps", static_cast<double>(a.max_skipped_steps));
+  positive("--divergence-steps", static_cast<double>(a.divergence_steps));
+  BMT_CHECK(std::isfinite(a.divergence_factor) && (a.divergence_factor == 0 || a.divergence_factor > 1),
+            "option --divergence-factor must be 0 (off) or above 1, got '", given["--divergence-factor"], "'");
   non_negative("--warmup", a.warmup);
   non_negative("--stop-at", a.stop_at);
   non_negative("--keep-last", a.keep_last);

@@ -30,10 +30,14 @@ struct TrainArgs {
   int64_t eval_every = -1, eval_batches = 4, task_rows = 256;
   int64_t save_every = 0;
   std::string save_dir = "checkpoints";
+  bool save_dir_given = false;      // --save-dir on the command line (then a checkpoint at the end at least)
+  bool overwrite_checkpoints = false;  // a fresh run may delete another run's checkpoints in save_dir
   int64_t keep_last = 0;            // keep the newest K step folders (0: all)
   bool async_save = false;          // write checkpoints in the background (committed at the next save / the end)
   bool resume = false;
   int64_t max_skipped_steps = 20;   // stop with an error after this many inf/NaN steps in a row
+  double divergence_factor = 3;     // a loss above this x the run's lowest loss is suspect (0: guard off)
+  int64_t divergence_steps = 10;    // ... for this many steps in a row: stop without saving (divergence_guard.h)
   std::string metrics_path;
   int64_t inspect_every = 0;        // > 0: inspect_model statistics into the metrics file every N steps
   std::string progress = "auto";    // auto (bar on a TTY, else lines) | bar | lines | off
@@ -43,6 +47,9 @@ struct TrainArgs {
   std::string init_from;            // Hugging Face directory to fine-tune (export/hf_import.h)
   uint64_t seed = 1234;
   bool help = false;
+  // Whether this run writes checkpoints: every save_every steps, and at the end once --save-dir or --save-every
+  // is given.
+  bool saves() const { return save_every > 0 || save_dir_given; }
 };
 
 // Throws bmt::core::Error naming the bad option (unknown, missing value, not a number).

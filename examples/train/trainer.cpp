@@ -19,6 +19,7 @@
 #include "export/hf_import.h"
 #include "export/hf_llama.h"
 #include "train/checkpoint.h"
+#include "train/divergence_guard.h"
 #include "train/evaluate.h"
 #include "train/generate.h"
 #include "train/metrics_log.h"
@@ -73,6 +74,7 @@ struct Run {
   bool rank0 = false;
   double t_begin = 0;
   TrainResult result;
+  std::string run_id;  // in every checkpoint's metadata; a resumed run keeps its checkpoint's
   MetricsLog metrics;
   std::unique_ptr<Progress> progress;
   std::optional<CheckpointInFlight> in_flight;  // --async-save: the checkpoint still being written
@@ -127,21 +129,30 @@ void print_header(const Run& run) {
   std::fflush(stdout);
 }
 
+// Loads D/latest under --resume; a run that loaded nothing and will save claims the folder first (claim_save_dir:
+// another run's checkpoints are refused, or deleted with --overwrite-checkpoints), then draws its run id.
 void resume(Run& run) {
-  if (!run.args.resume) return;
   const auto& cfg = bmt::config();
-  if (auto info = load_checkpoint(run.args.save_dir, *run.model, *run.optim)) {
-    run.result.start_step = info->step;
-    if (run.rank0) {
-      std::string note;
-      if (info->saved_world_size != cfg.world_size || info->saved_tp_size != cfg.tp_size)
-        note = " (saved at world " + std::to_string(info->saved_world_size) + ", tp " +
-               std::to_string(info->saved_tp_size) + ": model and optimizer state resharded, RNG states reseeded)";
-      std::printf("resumed from %s at step %ld%s\n", info->dir.c_str(), static_cast<long>(info->step), note.c_str());
+  const TrainArgs& args = run.args;
+  bool loaded = false;
+  if (args.resume) {
+    if (auto info = load_checkpoint(args.save_dir, *run.model, *run.optim)) {
+      loaded = true;
+      run.result.start_step = info->step;
+      run.run_id = info->run_id;
+      if (run.rank0) {
+        std::string note;
+        if (info->saved_world_size != cfg.world_size || info->saved_tp_size != cfg.tp_size)
+          note = " (saved at world " + std::to_string(info->saved_world_size) + ", tp " +
+                 std::to_string(info->saved_tp_size) + ": model and optimizer state resharded, RNG states reseeded)";
+        std::printf("resumed from %s at step %ld%s\n", info->dir.c_str(), static_cast<long>(info->step), note.c_str());
+      }
     }
-  } else if (run.rank0) {
-    std::printf("no checkpoint in %s: starting from scratch\n", run.args.save_dir.c_str());
   }
+  if (!loaded && args.saves()) claim_save_dir(args.save_dir, args.resume, args.overwrite_checkpoints);
+  if (!loaded && args.resume && run.rank0)
+    std::printf("no checkpoint in %s: starting from scratch\n", args.save_dir.c_str());
+  if (run.run_id.empty()) run.run_id = draw_run_id();  // checkpoints written before run ids have none
 }
 
 void evaluate(Run& run, int64_t step, MetricFields& fields) {
@@ -175,7 +186,7 @@ void finish_save(Run& run) {
 // written in the background while training goes on; it is committed when the next save starts or the loop ends.
 void save(Run& run, int64_t step) {
   finish_save(run);
-  run.in_flight = start_checkpoint(run.args.save_dir, step, *run.model, *run.optim, run.args.keep_last,
+  run.in_flight = start_checkpoint(run.args.save_dir, step, *run.model, *run.optim, run.args.keep_last, run.run_id,
                                    run.args.async_save);
   if (!run.args.async_save) finish_save(run);
 }
@@ -194,6 +205,7 @@ void train_loop(Run& run) {
   double tokens_done = 0;
   int64_t skipped_in_a_row = 0, last_good_step = result.start_step;
   bool save_due = false;
+  DivergenceGuard guard(args.divergence_factor, args.divergence_steps);
   // Graphs by default where they are proven: one GPU, no pipeline (the graph tests' configurations; a capture over
   // NCCL at world > 1 has not run on GPUs yet, so more ranks need --cuda-graphs).
   const bool graphs_by_default = cfg.device.is_cuda() && cfg.world_size == 1 && !args.no_cuda_graphs;
@@ -236,9 +248,18 @@ void train_loop(Run& run) {
     losses.push_back(mean_loss);
     const double step_tokens = static_cast<double>(s.batch * s.seq * s.dp);
     tokens_done += step_tokens;
-    const bool good = applied && std::isfinite(mean_loss);  // mean_loss is the same on every rank
-    skipped_in_a_row = good ? 0 : skipped_in_a_row + 1;
+    const bool finite = applied && std::isfinite(mean_loss);  // mean_loss is the same on every rank
+    skipped_in_a_row = finite ? 0 : skipped_in_a_row + 1;
+    const double best_before = guard.best_loss();
+    const DivergenceGuard::Verdict verdict = guard.observe(mean_loss);
+    const bool good = finite && verdict == DivergenceGuard::Verdict::kOk;  // a suspect loss postpones checkpoints
     if (good) last_good_step = step + 1;
+    BMT_CHECK(verdict != DivergenceGuard::Verdict::kDiverged, "step ", step + 1, ": the loss (", mean_loss,
+              ") stayed above ", guard.factor(), "x its lowest value in this run (", best_before, ") for ",
+              guard.steps(), " steps in a row: the run diverged and was stopped without saving. The last good step "
+              "was ", last_good_step, "; resume from the last checkpoint (--resume, ", args.save_dir, "/latest) with "
+              "a lower --lr (now ", s.lr, ") or a longer --warmup; --divergence-factor K and --divergence-steps N "
+              "set this guard (now ", guard.factor(), " and ", guard.steps(), "; --divergence-factor 0 turns it off)");
     BMT_CHECK(skipped_in_a_row < args.max_skipped_steps, "step ", step + 1, ": ", skipped_in_a_row,
               " steps in a row were skipped because the loss or the gradients were inf/NaN (loss ", mean_loss,
               "): the run diverged and was stopped without saving. The last good step was ", last_good_step,
@@ -263,17 +284,25 @@ void train_loop(Run& run) {
     else fields.insert(fields.end(), {{"eval_loss", std::nullopt}, {"task_acc", std::nullopt}});
     fields.insert(fields.end(), inspected.begin(), inspected.end());
     run.metrics.write(fields);
-    if (args.save_every > 0 && ((step + 1) % args.save_every == 0 || step + 1 == s.stop)) save_due = true;
+    // Every --save-every steps, and at the end whenever a --save-dir or --save-every was given.
+    if ((args.save_every > 0 && (step + 1) % args.save_every == 0) || (args.saves() && step + 1 == s.stop))
+      save_due = true;
     if (save_due && good) {
       save(run, step + 1);
       save_due = false;
     } else if (save_due && skipped_in_a_row == 1) {
       run.progress->message("checkpoint postponed: step " + std::to_string(step + 1) + " was skipped (inf/NaN)");
+    } else if (save_due && guard.suspect_in_a_row() == 1) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "checkpoint postponed: the loss of step %ld is above %gx its lowest value "
+                    "(divergence guard)", static_cast<long>(step + 1), guard.factor());
+      run.progress->message(buf);
     }
   }
   finish_save(run);
   if (save_due && run.rank0)
-    std::fprintf(stderr, "train_gpt: warning: no checkpoint at the end: the last step was skipped (inf/NaN)\n");
+    std::fprintf(stderr, "train_gpt: warning: no checkpoint at the end: the last step was skipped (inf/NaN) or its "
+                 "loss was above the divergence guard's threshold\n");
   run.progress->finish();
   result.end_step = std::max(s.stop, result.start_step);
   const size_t tail = std::min<size_t>(20, losses.size());
@@ -348,11 +377,15 @@ TrainResult run_training(const TrainArgs& args) {
     MetricFields fields = {{"step", 0.0}, {"loss", std::nullopt}};
     evaluate(run, 0, fields);
     run.metrics.write(fields);
+  } else {  // the summary's "held-out loss A -> B" starts where this run starts (the log has this step already)
+    MetricFields unused;
+    evaluate(run, run.result.start_step, unused);
   }
   train_loop(run);
   write_samples(run);
   export_model(run);
   run.result.wall_s = now_s() - run.t_begin;
+  run.metrics.close();  // a write-back error of the last lines is an error too
   print_summary(run);
   return run.result;
 }

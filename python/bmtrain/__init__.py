@@ -49,7 +49,8 @@ from .param_init import init_parameters, grouped_parameters  # noqa: E402
 from .synchronize import synchronize, sum_loss, gather_result, wait_loader  # noqa: E402
 from .block_layer import Block, CheckpointBlock, TransformerBlockList, no_grad_sync  # noqa: E402
 from .pipe_layer import PipelineTransformerBlockList  # noqa: E402
-from .store import save, load, save_checkpoint, load_checkpoint, load_hf_safetensors  # noqa: E402
+from .store import (save, load, save_checkpoint, load_checkpoint, load_hf_safetensors,  # noqa: E402
+                    prepare_async_save)
 from .utils import print_block, print_dict, print_rank, see_memory, main_grad, load_nccl_pypi  # noqa: E402
 from .wrapper import BMTrainModelWrapper  # noqa: E402
 from .estimate import estimate_memory  # noqa: E402

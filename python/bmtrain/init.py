@@ -54,7 +54,11 @@ def init_distributed(init_method="env://", seed=0, pipe_size=-1, num_micro_batch
     if config["initialized"]:
         raise RuntimeError("bmtrain is already initialized: call init_distributed once per process")
     pipe = pipe_size if pipe_size > 0 else 1
-    tp = tp_size if tp_size > 0 else 1
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"init_distributed: tp_size must be an integer >= 1 (the ranks of one tensor-parallel "
+                         f"group), got {tp_size!r}; pass tp_size=1 for no tensor parallelism (BMTrain silently "
+                         "used 1 for values below 1)")
+    tp = tp_size
     if pipe > 1 and tp > 1:
         raise NotImplementedError(f"init_distributed(pipe_size={pipe}, tp_size={tp}): the Python package does not "
                                   "combine pipeline and tensor parallelism yet (the C++ engine does: train_gpt --pp "

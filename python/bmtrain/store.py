@@ -203,6 +203,15 @@ def load_hf_safetensors(model, directory, name_map, strict=True, ignore=()):
     return _C.load_hf_safetensors(holder_of(model), str(directory), pairs, strict, list(ignore))
 
 
+def prepare_async_save(model, optim_manager=None, *, optimizers=None, lr_schedulers=None):
+    """Collective. Call once the model and optimizer exist (before the training loop) when you will save with
+    save_checkpoint(..., async_save=True): it starts allocating (pinning, on GPUs) this rank's host buffers for such
+    a save on a background thread and returns at once, so that the first async save does not pin its whole shard
+    file inside the call (7.2 s at gpt-1.3b on an H200; later saves reuse the buffers: 0.12 s). A save issued before
+    the buffers are ready waits for them."""
+    _C.checkpoint_prepare_async_save(holder_of(model), _components(optim_manager, optimizers, lr_schedulers))
+
+
 def save_checkpoint(directory, model, optim_manager=None, step=0, *, optimizers=None, lr_schedulers=None,
                     async_save=False, metadata=None):
     """Sharded checkpoint (one file per rank, checksummed, committed atomically) of the model and the optimizer

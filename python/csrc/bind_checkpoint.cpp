@@ -70,6 +70,14 @@ void bind_checkpoint(py::module_& m) {
       py::arg("metadata") = std::map<std::string, std::string>{});
   m.def("checkpoint_wait_pending_save", &checkpoint::wait_pending_save, py::call_guard<py::gil_scoped_release>());
   m.def(
+      "checkpoint_prepare_async_save",
+      [](torch::nn::Module& holder, const py::list& components) {
+        checkpoint::TrainingState st = training_state(holder, components, 0);
+        py::gil_scoped_release release;
+        checkpoint::prepare_async_save(st);
+      },
+      py::arg("holder"), py::arg("components"));
+  m.def(
       "checkpoint_load",
       [](const std::string& dir, torch::nn::Module& holder, const py::list& components, bool strict, bool rng) {
         checkpoint::TrainingState st = training_state(holder, components, 0);

@@ -4,6 +4,9 @@
 #include <signal.h>
 #include <sys/resource.h>
 
+#include <chrono>
+#include <thread>
+
 #include "bmt/checkpoint/host_staging_internal.h"
 #include "ckpt_test_util.h"
 
@@ -47,6 +50,34 @@ TEST(AsyncSnapshot, AsyncSaveWritesTheSameBytesAsASyncSave) {
       ck::load(dir / ("async" + tag), st);
       EXPECT_EQ(st.step, 1);
     }
+    ck::set_stage_chunk_nbytes(ck::kDefaultStageChunkNbytes);
+  });
+}
+
+// prepare_async_save allocates exactly the chunks the async save of that state takes (the whole shard file), on a
+// background thread; the save then allocates none, and what it writes loads back.
+TEST(AsyncSnapshot, PreparedBuffersAreExactlyThoseTheFirstAsyncSaveUses) {
+  SharedDir dir("async_prepared");
+  bmt::testing::run_ranks(2, [&] {
+    Trainer t(3, true);
+    t.step(0);
+    ck::set_stage_chunk_nbytes(1000);  // several chunks per shard file; no chunk cached
+    ASSERT_EQ(ck::host_chunk_count(), 0);
+    ck::prepare_async_save(t.state(1));
+    t.step(1);  // training goes on while the buffers are allocated
+    while (!ck::host_chunks_prepared()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    const int64_t prepared = ck::host_chunk_count();
+    ck::SaveOptions o;
+    o.async = true;
+    ck::SaveHandle h = ck::save(dir / "ckpt", t.state(2), o);
+    const int64_t after_save = ck::host_chunk_count();
+    const ck::SaveStats s = h.wait();
+    EXPECT_EQ(after_save, (s.rank_nbytes + 999) / 1000) << "prepared chunks differ from what the save needed";
+    EXPECT_EQ(prepared, after_save) << "the save allocated chunks of its own";
+    Trainer fresh(3, true);
+    ck::TrainingState st = fresh.state(0);
+    ck::load(dir / "ckpt", st);
+    EXPECT_EQ(st.step, 2);
     ck::set_stage_chunk_nbytes(ck::kDefaultStageChunkNbytes);
   });
 }

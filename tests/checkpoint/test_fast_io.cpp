@@ -4,7 +4,11 @@
 // reads only the checksum blocks it needs).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstring>
 #include <fstream>
+#include <future>
 #include <random>
 
 #include "bmt/checkpoint/checkpoint_reader.h"
@@ -198,6 +202,44 @@ std::string write_checkpoint(const std::string& dir, const at::Tensor& t, int64_
 }
 
 }  // namespace
+
+// prepare_host_chunks (the first async save's buffers, allocated ahead on a background thread): it returns at
+// once; a borrow issued while it is still running waits for it and then takes its chunks (the preparer allocated
+// every one of them, the borrow none); a later preparation of chunks that exist allocates nothing.
+TEST(HostStaging, BackgroundPreparationIsWaitedForAndTakenByTheNextBorrow) {
+  set_stage_chunk_nbytes(4096);  // also frees the cached chunks
+  std::promise<void> gate;
+  std::shared_future<void> open = gate.get_future().share();
+  std::atomic<int> allocated{0};
+  set_prepare_hook([&](int64_t i) {
+    if (i == 2) open.wait();  // held before its third chunk
+    ++allocated;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  prepare_host_chunks(5, /*pinned=*/false);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0.5)
+      << "prepare_host_chunks must not wait for the allocation";
+  EXPECT_FALSE(host_chunks_prepared());
+  auto borrowed = std::async(std::launch::async, [] { return borrow_host_chunks(5, false); });
+  EXPECT_EQ(borrowed.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "the borrow did not wait for the preparation";
+  gate.set_value();
+  const std::vector<HostChunk*> chunks = borrowed.get();
+  EXPECT_TRUE(host_chunks_prepared());
+  ASSERT_EQ(chunks.size(), 5u);
+  EXPECT_EQ(allocated.load(), 5) << "the borrow allocated chunks of its own instead of taking the prepared ones";
+  EXPECT_EQ(host_chunk_count(), 5);
+  for (HostChunk* c : chunks) {
+    ASSERT_NE(c->data, nullptr);
+    std::memset(c->data, 0x5a, 4096);  // usable memory of the chunk size
+  }
+  prepare_host_chunks(5, false);  // all there: nothing to allocate
+  borrow_host_chunks(5, false);
+  EXPECT_EQ(allocated.load(), 5);
+  set_prepare_hook(nullptr);
+  set_stage_chunk_nbytes(kDefaultStageChunkNbytes);
+  EXPECT_EQ(host_chunk_count(), 0);
+}
 
 TEST(CheckpointReaderFast, PartialReadsReadOnlyTheirChecksumBlocks) {
   const std::string dir = join_path(temp_dir(), "ckpt");

@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/serialize.h>
 
+#include <sys/resource.h>
+
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 
@@ -130,6 +134,50 @@ TEST(TensorFile, UncommittedWriterLeavesTargetUntouched) {
             std::string::npos);
   write_file_durable(join_path(dir, "junk.pt"), "definitely not a zip");
   EXPECT_NE(error_of([&] { open_tensor_file(join_path(dir, "junk.pt")); }).find("junk.pt"), std::string::npos);
+  remove_tree(dir);
+}
+
+// In a death test's child: writes `tensors` to `path` with writes past `limit` bytes failing (EFBIG), and exits 0
+// when that raised a bmt error naming the file and the file-size limit (the message goes to stderr).
+[[noreturn]] static void write_under_file_size_limit(const std::string& path, int64_t limit,
+                                                     const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit lim {};
+  lim.rlim_cur = static_cast<rlim_t>(limit);
+  lim.rlim_max = RLIM_INFINITY;
+  if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) std::_Exit(3);
+  const std::string err = error_of([&] { write_tensors(path, tensors); });
+  std::fprintf(stderr, "%s\n", err.c_str());
+  const bool names_file = err.find(path) != std::string::npos;
+  std::_Exit(names_file && err.find("ulimit -f") != std::string::npos ? 0 : 1);
+}
+
+// A full disk while writing a .pt file (simulated with a file-size limit: EFBIG, SIGXFSZ ignored as train_gpt and
+// Python do): a clean error naming the path, no temporary file left, the previous file intact. torch's zip writer
+// used to throw from its destructor here ("unexpected pos"), which ended the process with SIGABRT; so each case
+// runs in a child process (a death test's fork) that must exit normally. Limits: 600 bytes (fails while the
+// archive or the header starts), 64 KiB (fails inside a tensor's record), and 100 bytes short of the whole file (fails while
+// the archive's central directory is written, in commit()).
+TEST(TensorFile, FullDiskWhileWritingIsACleanErrorWithoutTemporaryFile) {
+  const std::string dir = temp_dir();
+  const at::Tensor big = at::arange(1 << 18, at::kFloat);  // 1 MiB
+  const std::vector<std::pair<std::string, at::Tensor>> tensors = {{"small", at::ones({3})}, {"big", big}};
+  for (const char* name : {"whole.pt", "whole.safetensors"}) write_tensors(join_path(dir, name), tensors);
+  for (const char* ext : {".pt", ".safetensors"}) {
+    const int64_t whole = InFile(join_path(dir, std::string("whole") + ext)).size_nbytes();
+    // (Not 0 bytes: the death test's own capture of the child's stderr is a file under the same limit.)
+    for (const int64_t limit : {int64_t{600}, int64_t{64} << 10, whole - 100}) {
+      const std::string path = join_path(dir, "target" + std::string(ext));
+      write_file_durable(path, "previous");
+      EXPECT_EXIT(write_under_file_size_limit(path, limit, tensors), ::testing::ExitedWithCode(0), "File too large")
+          << ext << " with a " << limit << "-byte limit";
+      EXPECT_EQ(read_file(path, 100), "previous") << ext << " limit " << limit;
+      EXPECT_EQ(list_directory(dir), (std::vector<std::string>{"target" + std::string(ext), "whole.pt",
+                                                                "whole.safetensors"}))
+          << "a temporary file was left (" << ext << ", limit " << limit << ")";
+      ::unlink(path.c_str());
+    }
+  }
   remove_tree(dir);
 }
 

@@ -157,6 +157,9 @@ TEST(Metadata, ClearErrors) {
   bad = sample_metadata();
   bad.files[0].block_crc32.pop_back();
   EXPECT_ERROR_HAS(parse_metadata(serialize_metadata(bad), "meta"), "block checksums");
+  bad = sample_metadata();
+  bad.step = -5;  // checksum-valid (serialize computes it) but impossible
+  EXPECT_ERROR_HAS(parse_metadata(serialize_metadata(bad), "meta"), "bad step -5");
 }
 
 TEST(SlicePlan, EachElementWrittenOnceByLowestHolder) {

@@ -55,3 +55,18 @@ def test_log_without_losses_fails(tmp_path):
     log.write_text('{"step": 1, "lr": 0.1}\n')
     r = subprocess.run([tool(), str(log), str(tmp_path / "x.png")], capture_output=True, text=True)
     assert r.returncode == 1 and "no loss values" in r.stderr
+
+
+def test_full_disk_is_an_error_and_leaves_no_partial_png(tmp_path):
+    """A file-size limit (ulimit -f 1: writes past 1 KiB fail with EFBIG) while writing the PNG: exit 1 with the
+    path and the reason, the previous file at the final name untouched, no temporary file left."""
+    log = tmp_path / "m.jsonl"
+    log.write_text("\n".join(json.dumps({"step": s, "loss": 2.6 * 0.99**s}) for s in range(1, 201)) + "\n")
+    out = tmp_path / "loss.png"
+    out.write_bytes(b"previous")
+    r = subprocess.run(["bash", "-c", f"ulimit -f 1; exec {tool()} {log} {out}"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"cannot write '{out}'" in r.stderr and "File too large" in r.stderr and "ulimit -f" in r.stderr, r.stderr
+    assert out.read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "m.jsonl"]

@@ -259,12 +259,16 @@ TEST(Bmtrun, TimeoutStopsTheJob) {
 TEST(Bmtrun, UsageErrorsExitTwoAndNameTheProblem) {
   const std::pair<std::string, std::string> cases[] = {
       {"--bogus " + kFake, "unknown option '--bogus'"},
-      {"--nproc 0 " + kFake, "--nproc 0 is invalid"},
+      {"--nproc 0 " + kFake, "--nproc 0 is out of range: the number of processes to start on this node, 1..4096"},
+      // Past 32 bits: range-checked before narrowing (these used to start 2 ranks and take port 0).
+      {"--nproc 4294967298 " + kFake, "--nproc 4294967298 is out of range"},
+      {"--master-port 4294967296 " + kFake, "--master-port 4294967296 is out of range: a TCP port, 1..65535"},
+      {"--nnodes 4294967297 " + kFake, "--nnodes 4294967297 is out of range"},
       {"--nproc x " + kFake, "--nproc expects an integer, got 'x'"},
       {"--nproc", "option --nproc needs a value"},
       {"--nproc 2", "missing the program to run"},
       {"--nnodes 2 --node-rank 2 " + kFake, "--node-rank 2 is out of range for --nnodes 2: use 0..1"},
-      {"--master-port 70000 " + kFake, "--master-port 70000 is not a TCP port"},
+      {"--master-port 70000 " + kFake, "--master-port 70000 is out of range: a TCP port, 1..65535"},
   };
   for (const auto& [args, message] : cases) {
     Result r = bmtrun(args);

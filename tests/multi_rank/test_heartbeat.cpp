@@ -175,3 +175,50 @@ TEST(Heartbeat, HealthyAndCleanlyFinishedRanksAreNeverReported) {
   if (bmt::testing::in_rank_process()) return;
   for (int r = 0; r < 3; ++r) EXPECT_EQ(status_of(report, r, 3), kCaught) << report.summary;
 }
+
+// kill -9 of rank 0 of 2, the rank hosting the rendezvous store (ranks launched without a launcher, as here):
+// the survivor's heartbeat loses the store at once; it names rank 0 from its process being gone (not "the store
+// did not answer"), within a few heartbeats, and nothing it prints carries torch's C++ backtraces (torch's TCPStore
+// client errors used to reach stderr from the heartbeat thread as 4-5 backtraces).
+TEST(Heartbeat, KilledStoreHostIsNamedWithoutBacktraces) {
+  auto report = bmt::testing::run_ranks(2, [] {
+    auto& comm = *bmt::config().comm;
+    char log[] = "/tmp/bmt_heartbeat_stderr_XXXXXX";
+    if (bmt::rank() == 1) {
+      const int fd = ::mkstemp(log);
+      if (fd < 0) std::_Exit(kWrong);
+      ::dup2(fd, 2);  // everything this rank prints to stderr from now on
+    }
+    comm.barrier();
+    if (bmt::rank() == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      raise(SIGKILL);
+    }
+    auto t0 = Clock::now();
+    int code = check_verdict(0, {"rank 0 is dead", "is gone", "hosted the rendezvous store"}, 0.0, 8.0, t0);
+    std::vector<float> x(1000, 1.0f), y(1000);
+    try {
+      comm.all_reduce(x.data(), y.data(), x.size(), DType::kFloat32, ReduceOp::kSum, nullptr);
+      code = kWrong;
+    } catch (const bmt::core::DistError& e) {
+      std::printf("rank 1: %s\n", e.what());
+      if (!contains(e.what(), "rank 0 is dead")) code = kWrong;
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(3));  // a few more heartbeats against the dead store
+    std::fflush(stderr);
+    std::string err;
+    if (FILE* f = std::fopen(log, "r")) {
+      char buf[4096];
+      for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) err.append(buf, n);
+      std::fclose(f);
+    }
+    ::unlink(log);
+    std::printf("rank 1: stderr was:\n%s(end)\n", err.c_str());
+    if (contains(err, "Exception raised from") || contains(err, "frame #")) code = kWrong;
+    std::fflush(stdout);
+    std::_Exit(code);
+  }, init_with_timeout(20), fault_run());
+  if (bmt::testing::in_rank_process()) return;
+  EXPECT_EQ(status_of(report, 0, 2), "signal Killed") << report.summary;
+  EXPECT_EQ(status_of(report, 1, 2), kCaught) << report.summary;
+}

@@ -18,6 +18,15 @@ long parse_long(const std::string& option, const std::string& text) {
   return v;
 }
 
+// An int option checked against [lo, hi] before narrowing (4294967298 must not become 2).
+int parse_int(const std::string& option, const std::string& text, long lo, long hi, const std::string& meaning) {
+  const long v = parse_long(option, text);
+  if (v < lo || v > hi)
+    throw UsageError(option + " " + text + " is out of range: " + meaning + ", " + std::to_string(lo) + ".." +
+                     std::to_string(hi));
+  return static_cast<int>(v);
+}
+
 double parse_seconds(const std::string& option, const std::string& text) {
   char* end = nullptr;
   double v = std::strtod(text.c_str(), &end);
@@ -80,15 +89,15 @@ Options parse_options(int argc, const char* const* argv) {
     if (name == "--rank0-only" && !inline_value) {
       o.rank0_only = true;
     } else if (name == "--nproc" || name == "--nproc-per-node" || name == "--nproc_per_node") {
-      o.nproc = static_cast<int>(parse_long(name, take_value()));
+      o.nproc = parse_int(name, take_value(), 1, 4096, "the number of processes to start on this node");
     } else if (name == "--nnodes") {
-      o.nnodes = static_cast<int>(parse_long(name, take_value()));
+      o.nnodes = parse_int(name, take_value(), 1, 1 << 20, "the number of nodes");
     } else if (name == "--node-rank" || name == "--node_rank") {
-      o.node_rank = static_cast<int>(parse_long(name, take_value()));
+      o.node_rank = parse_int(name, take_value(), 0, (1 << 20) - 1, "this node's index");
     } else if (name == "--master-addr" || name == "--master_addr") {
       o.master_addr = take_value();
     } else if (name == "--master-port" || name == "--master_port") {
-      o.master_port = static_cast<int>(parse_long(name, take_value()));
+      o.master_port = parse_int(name, take_value(), 1, 65535, "a TCP port");
       port_given = true;
     } else if (name == "--timeout-s") {
       o.timeout_s = parse_seconds(name, take_value());

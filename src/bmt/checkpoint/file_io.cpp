@@ -47,6 +47,8 @@ std::string space_hint(const std::string& path, int err) {
 
 }  // namespace
 
+std::string describe_write_error(const std::string& path, int err) { return errno_str(err) + space_hint(path, err); }
+
 void set_write_hook(WriteHook hook) { write_hook() = std::move(hook); }
 
 bool direct_writes_requested() {

@@ -46,6 +46,10 @@ class OutFile {
   bool direct_ = false;
 };
 
+// strerror(err) and, for the errors that mean "no room" (ENOSPC, EDQUOT, EFBIG), what to do: the free and total
+// space of the filesystem holding `path`, or the file-size limit. For every writer's error messages.
+std::string describe_write_error(const std::string& path, int err);
+
 // BMT_CKPT_DIRECT=1: shard files are written with O_DIRECT (OutFile's direct mode).
 bool direct_writes_requested();
 

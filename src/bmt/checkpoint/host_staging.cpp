@@ -1,8 +1,11 @@
 #include "bmt/checkpoint/host_staging_internal.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <future>
 #include <mutex>
 
 #include "bmt/checkpoint/parallel_crc_internal.h"
@@ -27,7 +30,70 @@ int64_t g_chunk_nbytes = kDefaultStageChunkNbytes;
 
 HostChunk make_chunk(bool pinned) { return allocate_host_buffer(g_chunk_nbytes, pinned); }
 
+// The background preparation (prepare_host_chunks), if one was started and not yet waited for.
+std::mutex& g_prepare_mutex = *new std::mutex;
+std::shared_future<void>& g_prepared = *new std::shared_future<void>;
+std::function<void(int64_t)>& g_prepare_hook = *new std::function<void(int64_t)>;
+
+// Waits for the preparation in flight (none: returns at once). Its errors were dropped there: whoever needs the
+// chunks allocates what is missing itself and reports that error in its own context.
+void wait_prepared() {
+  std::shared_future<void> f;
+  {
+    std::lock_guard<std::mutex> lock(g_prepare_mutex);
+    f = g_prepared;
+    g_prepared = std::shared_future<void>();
+  }
+  if (f.valid()) f.wait();
+}
+
 }  // namespace
+
+void prepare_host_chunks(int64_t n, bool pinned) {
+#ifndef BMT_WITH_CUDA
+  pinned = false;
+#endif
+  wait_prepared();  // one preparation at a time
+  std::lock_guard<std::mutex> lock(g_prepare_mutex);
+  std::function<void(int64_t)> hook = g_prepare_hook;
+  g_prepared = std::async(std::launch::async, [n, pinned, hook] {
+                 try {
+                   for (int64_t i = 0; i < n; ++i) {
+                     int64_t nbytes = 0;
+                     {
+                       std::lock_guard<std::mutex> chunks_lock(g_chunks_mutex);
+                       const size_t k = static_cast<size_t>(i);
+                       if (k < g_chunks.size() && g_chunks[k]->pinned == pinned) continue;
+                       nbytes = g_chunk_nbytes;
+                     }
+                     if (hook) hook(i);
+                     // The slow part (pinning runs at a few GB/s), outside the lock.
+                     auto chunk = std::make_unique<HostChunk>(allocate_host_buffer(nbytes, pinned));
+                     std::lock_guard<std::mutex> chunks_lock(g_chunks_mutex);
+                     const size_t k = static_cast<size_t>(i);
+                     if (nbytes != g_chunk_nbytes || k > g_chunks.size()) return;  // resized meanwhile
+                     if (k == g_chunks.size()) g_chunks.push_back(std::move(chunk));
+                     else *g_chunks[k] = std::move(*chunk);
+                   }
+                 } catch (...) {  // out of pinned memory: borrow_host_chunks retries and reports it
+                 }
+               }).share();
+}
+
+bool host_chunks_prepared() {
+  std::lock_guard<std::mutex> lock(g_prepare_mutex);
+  return !g_prepared.valid() || g_prepared.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+void set_prepare_hook(std::function<void(int64_t)> hook) {
+  std::lock_guard<std::mutex> lock(g_prepare_mutex);
+  g_prepare_hook = std::move(hook);
+}
+
+int64_t host_chunk_count() {
+  std::lock_guard<std::mutex> lock(g_chunks_mutex);
+  return static_cast<int64_t>(g_chunks.size());
+}
 
 HostChunk allocate_host_buffer(int64_t nbytes, bool pinned) {
   HostChunk c;
@@ -56,6 +122,7 @@ HostChunk allocate_host_buffer(int64_t nbytes, bool pinned) {
 }
 
 std::vector<HostChunk*> borrow_host_chunks(int64_t n, bool pinned) {
+  wait_prepared();  // a save started before the background preparation ended takes its chunks, not new ones
   std::lock_guard<std::mutex> lock(g_chunks_mutex);
 #ifndef BMT_WITH_CUDA
   pinned = false;
@@ -70,6 +137,7 @@ std::vector<HostChunk*> borrow_host_chunks(int64_t n, bool pinned) {
 }
 
 void free_host_chunks() {
+  wait_prepared();
   std::lock_guard<std::mutex> lock(g_chunks_mutex);
   g_chunks.clear();
 }
@@ -81,6 +149,7 @@ int64_t stage_chunk_nbytes() {
 
 void set_stage_chunk_nbytes(int64_t nbytes) {
   BMT_CHECK(nbytes > 0, "set_stage_chunk_nbytes: must be positive");
+  wait_prepared();
   std::lock_guard<std::mutex> lock(g_chunks_mutex);
   g_chunks.clear();
   g_chunk_nbytes = nbytes;
@@ -127,7 +196,15 @@ ImageFiller::~ImageFiller() {
   for (auto& f : host_done_)
     if (f.valid()) f.wait();  // a worker may still be copying into a chunk
 #ifdef BMT_WITH_CUDA
-  if (dev_) dev_->stream.synchronize();  // after a failed write: no copy may land in a chunk the next save uses
+  // After a failed write: no copy may land in a chunk the next save uses. A CUDA error here (the device is already
+  // broken) must not escape a destructor: the error that got us here is being reported.
+  if (dev_) {
+    try {
+      dev_->stream.synchronize();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bmt::checkpoint: synchronizing the staging stream failed: %s\n", e.what());
+    }
+  }
 #endif
 }
 

@@ -114,6 +114,8 @@ CheckpointMetadata parse_metadata(std::string_view bytes, const std::string& wha
   BMT_CHECK(ws >= 1 && ws <= (1 << 24), what, ": bad world_size ", ws);
   m.world_size = static_cast<int>(ws);
   m.step = root.at("step", what).as_int(what + ": step");
+  BMT_CHECK(m.step >= 0, what, ": bad step ", m.step, " (a checkpoint's step is never negative: the file was edited "
+            "or written by something else; re-save the checkpoint)");
   m.created_by = root.at("created_by", what).as_string(what + ": created_by");
   m.created_unix_ms = root.at("created_unix_ms", what).as_int(what + ": created_unix_ms");
   m.user_metadata = read_string_map(root.at("user_metadata", what), what + ": user_metadata");

@@ -117,31 +117,22 @@ class PtWriter final : public TensorFileWriter {
       max_nbytes_ = std::max(max_nbytes_, nbytes_.back());
     }
     out_ = std::make_unique<OutFile>(tmp_);
-    // Errors must not unwind through the zip library's C code: record them and report a short write.
-    zip_ = std::make_unique<caffe2::serialize::PyTorchStreamWriter>([this](const void* data, size_t n) -> size_t {
-      if (discard_) return n;
-      try {
-        out_->write(data, static_cast<int64_t>(n));
-        return n;
-      } catch (const std::exception& e) {
-        write_error_ = e.what();
-        return 0;
-      }
-    });
-    const std::string pkl = build_pickle(tensors);
-    guarded([&] {
-      zip_->writeRecord("data.pkl", pkl.data(), pkl.size());
-      zip_->writeRecord("byteorder", "little", 6);
-    });
-    flush_complete();
+    try {
+      zip_ = std::make_unique<caffe2::serialize::PyTorchStreamWriter>(
+          [this](const void* data, size_t n) { return sink(data, n); });
+      const std::string pkl = build_pickle(tensors);
+      guarded([&] {
+        zip_->writeRecord("data.pkl", pkl.data(), pkl.size());
+        zip_->writeRecord("byteorder", "little", 6);
+      });
+      flush_complete();
+    } catch (...) {  // no destructor runs for a half-built object: drop the temporary file here
+      abandon();
+      throw;
+    }
   }
   ~PtWriter() override {
-    if (!committed_) {
-      discard_ = true;  // the stream writer's destructor finishes the archive: let it write nowhere
-      zip_.reset();
-      out_.reset();
-      ::unlink(tmp_.c_str());
-    }
+    if (!committed_) abandon();
   }
   void append(const void* data, int64_t nbytes) override {
     const char* p = static_cast<const char*>(data);
@@ -157,6 +148,7 @@ class PtWriter final : public TensorFileWriter {
   void commit() override {
     BMT_ASSERT(cur_ == tensors_.size(), "commit of ", path_, " with ", tensors_.size() - cur_, " tensors missing");
     guarded([&] { zip_->writeEndOfFile(); });
+    zip_.reset();
     out_->sync();
     out_->close();
     commit_file(tmp_, path_);
@@ -165,7 +157,18 @@ class PtWriter final : public TensorFileWriter {
   int64_t max_buffered_nbytes() const override { return max_nbytes_; }
 
  private:
-  // Writes every tensor whose bytes are complete (zero-size tensors at once).
+  // torch's zip writer must never see a short write: it then throws from inside the zip library's C code, and
+  // again ("unexpected pos") from its destructor, which ends the process. So every byte is reported as taken; the
+  // first error is kept (later bytes go nowhere) and guarded() raises it once the zip call has returned.
+  size_t sink(const void* data, size_t n) {
+    if (discard_ || !write_error_.empty()) return n;
+    try {
+      out_->write(data, static_cast<int64_t>(n));
+    } catch (const std::exception& e) {
+      write_error_ = e.what();
+    }
+    return n;
+  }
   template <typename F>
   void guarded(F&& fn) {
     try {
@@ -173,7 +176,21 @@ class PtWriter final : public TensorFileWriter {
     } catch (const c10::Error& e) {
       BMT_ERROR("writing ", path_, " failed: ", write_error_.empty() ? e.what_without_backtrace() : write_error_);
     }
+    BMT_CHECK(write_error_.empty(), "writing ", path_, " failed: ", write_error_);
   }
+  // The archive is finished into the void (its destructor would otherwise write the central directory), then the
+  // temporary file is removed. Never throws.
+  void abandon() noexcept {
+    discard_ = true;
+    try {
+      if (zip_) zip_->writeEndOfFile();
+    } catch (...) {  // nothing was written anywhere: nothing to report
+    }
+    zip_.reset();
+    out_.reset();
+    ::unlink(tmp_.c_str());
+  }
+  // Writes every tensor whose bytes are complete (zero-size tensors at once).
   void flush_complete() {
     while (cur_ < tensors_.size() && static_cast<int64_t>(buf_.size()) == nbytes_[cur_]) {
       guarded([&] { zip_->writeRecord("data/" + std::to_string(cur_), buf_.data(), buf_.size()); });

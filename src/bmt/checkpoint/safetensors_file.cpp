@@ -27,7 +27,13 @@ class SafetensorsWriter final : public TensorFileWriter {
     const std::string header = build_safetensors_header(tensors, metadata);
     for (const TensorInfo& t : tensors) data_nbytes_ += checked_nbytes(t.dtype, t.shape, "tensor " + t.name);
     out_ = std::make_unique<OutFile>(tmp_);
-    out_->write(header.data(), static_cast<int64_t>(header.size()));
+    try {
+      out_->write(header.data(), static_cast<int64_t>(header.size()));
+    } catch (...) {  // no destructor runs for a half-built object: a full disk must not leave the temporary file
+      out_.reset();
+      ::unlink(tmp_.c_str());
+      throw;
+    }
     expected_end_ = static_cast<int64_t>(header.size()) + data_nbytes_;
   }
   ~SafetensorsWriter() override {

@@ -11,6 +11,7 @@
 #include "bmt/checkpoint/comm_util_internal.h"
 #include "bmt/checkpoint/save_job_internal.h"
 #include "bmt/checkpoint/file_io.h"
+#include "bmt/checkpoint/host_staging_internal.h"
 #include "bmt/checkpoint/load_staging_internal.h"
 #include "bmt/core/error.h"
 #include "bmt/runtime/init.h"
@@ -128,18 +129,19 @@ void release_snapshot_buffers() {
   free_host_chunks();
 }
 
-SaveHandle save(const std::string& dir_in, const TrainingState& state, const SaveOptions& options) {
-  const auto t0 = Clock::now();
-  wait_pending_save();
-  wait_all_pending_updates();  // asynchronous optimizer steps still writing parameters (optimizers wait themselves)
-  const Config& cfg = config();
-  core::Communicator& comm = *cfg.comm;
-  const int rank = comm.rank(), world = comm.size();
-  const std::string dir = strip_trailing_slashes(dir_in);
-  BMT_CHECK(options.checksum_block_nbytes > 0, "checkpoint save: checksum_block_nbytes must be positive");
+namespace {
 
-  // 1. This rank's slices, then the plan (identical on every rank).
+// Step 1 of a save (collective): this rank's slices, the plan and the shard files' layout, identical on every rank.
+struct SavePlan {
   std::vector<LocalSlice> slices;
+  std::vector<PlannedEntry> plan;
+  FileLayout layout;
+};
+
+SavePlan plan_save(const TrainingState& state, core::Communicator& comm, const std::string& what) {
+  const int rank = comm.rank();
+  SavePlan sp;
+  std::vector<LocalSlice>& slices = sp.slices;
   std::string err = detail::capture_error([&] {
     std::unordered_map<const void*, std::string> names;
     if (state.model) {
@@ -155,13 +157,48 @@ SaveHandle save(const std::string& dir_in, const TrainingState& state, const Sav
       slices.insert(slices.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
     }
   });
-  detail::raise_if_any_failed(comm, err, "checkpoint save to " + dir);
+  detail::raise_if_any_failed(comm, err, what);
   std::vector<SliceDecl> decls;
   for (const LocalSlice& s : slices) decls.push_back(s.decl);
   std::vector<std::vector<SliceDecl>> all;
   for (const std::string& s : detail::all_gather_strings(comm, encode_decls(decls))) all.push_back(decode_decls(s));
-  const std::vector<PlannedEntry> plan = plan_pieces(all);
-  const FileLayout layout = layout_shard_files(plan, world);
+  sp.plan = plan_pieces(all);
+  sp.layout = layout_shard_files(sp.plan, comm.size());
+  return sp;
+}
+
+}  // namespace
+
+void prepare_async_save(const TrainingState& state) {
+  wait_pending_save();  // no save may use the chunks while they are prepared
+  core::Communicator& comm = *config().comm;
+  SavePlan sp = plan_save(state, comm, "preparing an async checkpoint save");
+  const int64_t nbytes = sp.layout.file_nbytes[static_cast<size_t>(comm.rank())];
+  bool on_device = false;
+  for (const LocalSlice& s : sp.slices) on_device |= !s.data.is_cpu();
+  const int64_t chunk = stage_chunk_nbytes();
+  prepare_host_chunks((nbytes + chunk - 1) / chunk, on_device);
+}
+
+bool async_save_prepared() { return host_chunks_prepared(); }
+
+SaveHandle save(const std::string& dir_in, const TrainingState& state, const SaveOptions& options) {
+  const auto t0 = Clock::now();
+  wait_pending_save();
+  wait_all_pending_updates();  // asynchronous optimizer steps still writing parameters (optimizers wait themselves)
+  const Config& cfg = config();
+  core::Communicator& comm = *cfg.comm;
+  const int rank = comm.rank(), world = comm.size();
+  const std::string dir = strip_trailing_slashes(dir_in);
+  BMT_CHECK(options.checksum_block_nbytes > 0, "checkpoint save: checksum_block_nbytes must be positive");
+  BMT_CHECK(state.step >= 0, "checkpoint save of ", dir, ": step must be >= 0, got ", state.step);
+
+  // 1. This rank's slices, then the plan (identical on every rank).
+  SavePlan sp = plan_save(state, comm, "checkpoint save to " + dir);
+  std::vector<LocalSlice>& slices = sp.slices;
+  const std::vector<PlannedEntry>& plan = sp.plan;
+  const FileLayout& layout = sp.layout;
+  std::string err;
 
   // 2. The temporary directory ("!" + message on failure).
   std::string tmp;

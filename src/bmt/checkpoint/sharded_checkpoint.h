@@ -110,6 +110,14 @@ class SaveHandle {
 SaveHandle save(const std::string& dir, const TrainingState& state, const SaveOptions& options = {});
 // Collective: waits for the async save in flight, if any.
 void wait_pending_save();
+// Collective, once the model and optimizer exist (e.g. before the training loop) when async saves will follow:
+// plans a save of `state` (a short collective) and starts allocating this rank's host buffers for it (pinned with
+// CUDA: the whole shard file) on a background thread, so that the first async save does not pin them inside its
+// stall (7.2 s at gpt-1.3b on an H200, against 0.12 s for later saves). A save issued before the buffers are
+// ready waits for them. The buffers stay until release_snapshot_buffers().
+void prepare_async_save(const TrainingState& state);
+// Local: true when no preparation of prepare_async_save is still running on this rank.
+bool async_save_prepared();
 // Frees the host buffers (pinned with CUDA) that saves keep for reuse: an async save holds its whole shard file
 // there. Waits for a pending save first (collective then).
 void release_snapshot_buffers();

@@ -106,6 +106,10 @@ struct PeerMonitor::State {
   int dead_rank = -1;
   Clock::time_point last_store_ok = Clock::now();
   std::string last_store_error;
+  // The store host's process when it runs on this host (found by the thread). verdict() looks it up too, so that a
+  // store operation blocked on the dead host does not delay the verdict.
+  bool store_host_known = false;
+  Identity store_host;
   std::thread thread;
 
   std::string key(const char* what, int r) const { return concat(prefix, "/", what, "/", r); }
@@ -119,6 +123,23 @@ struct PeerMonitor::State {
   bool has_verdict() const {
     std::lock_guard<std::mutex> lock(mu);
     return !verdict.empty();
+  }
+  // Sets the verdict when the store host's process on this host is gone while the store fails or hangs (a store
+  // host that finished cleanly is gone too, but then nothing here is still waiting on the store).
+  void check_store_host() {
+    Identity id;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!store_host_known || !verdict.empty()) return;
+      const bool store_trouble = !last_store_error.empty() ||
+                                 seconds_since(last_store_ok) * 1000.0 > 2.0 * static_cast<double>(options.interval_ms);
+      if (!store_trouble) return;
+      id = store_host;
+    }
+    if (proc_state(id) != ProcState::kGone) return;
+    set_verdict(options.store_host_rank, concat("rank ", options.store_host_rank, " is dead: its process (pid ", id.pid,
+                                                " on this host) is gone (killed or crashed); it hosted the rendezvous "
+                                                "store (seen by rank ", rank, ")"));
   }
 };
 
@@ -148,6 +169,9 @@ void run(const std::shared_ptr<PeerMonitor::State>& s) {
   const Identity me = self_identity();
   Watch w;
   w.peer = s->world > 1 ? (s->rank + 1) % s->world : -1;
+  // The store host's identity (it publishes it before its first beat).
+  const int host_rank = s->options.store_host_rank != s->rank ? s->options.store_host_rank : -1;
+  bool host_read = false;
   bool announced = false;
   while (true) {
     {
@@ -161,6 +185,15 @@ void run(const std::shared_ptr<PeerMonitor::State>& s) {
         announced = true;
       }
       s->store->add(s->key("beat", s->rank), 1);
+      // A blocking get: the host publishes its identity first thing, so this waits only until its thread ran once
+      // (and a host killed early must still be recognised).
+      if (host_rank >= 0 && !host_read) {
+        const Identity id = decode(text(s->store->get(s->key("id", host_rank))));
+        host_read = true;
+        std::lock_guard<std::mutex> lock(s->mu);
+        s->store_host = id;
+        s->store_host_known = id.host == me.host && id.pid_ns == me.pid_ns;  // /proc tells only on this host
+      }
       // Another rank's verdict first: a rank that exits because of it must not be reported as the dead one.
       adopt_published_verdict(*s);
       if (w.peer >= 0 && !s->has_verdict()) {
@@ -209,6 +242,9 @@ void run(const std::shared_ptr<PeerMonitor::State>& s) {
       s->last_store_ok = Clock::now();
       s->last_store_error.clear();
     } catch (const std::exception& e) {
+      // The store is unreachable: no verdict can be published or read. When its host's process on this host is
+      // gone, that is the death to report (this rank's own verdict; every rank finds the same).
+      s->check_store_host();
       std::lock_guard<std::mutex> lock(s->mu);
       s->last_store_error = e.what();
     }
@@ -256,13 +292,19 @@ int PeerMonitor::world_size() const { return state_->world; }
 const PeerMonitorOptions& PeerMonitor::options() const { return state_->options; }
 
 std::string PeerMonitor::verdict() const {
+  state_->check_store_host();
   std::lock_guard<std::mutex> lock(state_->mu);
   if (!state_->verdict.empty()) return state_->verdict;
   const double silent_s = seconds_since(state_->last_store_ok);
   if (silent_s * 1000.0 > static_cast<double>(state_->options.stale_ms))
-    return concat("the rendezvous store did not answer for ", fixed1(silent_s), " s (",
-                  state_->last_store_error.empty() ? "no reply" : state_->last_store_error,
-                  "): the process hosting it (rank 0, or the launcher's agent) probably died or stopped");
+    return concat(state_->options.store_host_rank >= 0
+                      ? concat("rank ", state_->options.store_host_rank, " is probably dead: ")
+                      : std::string(),
+                  "the rendezvous store did not answer for ", fixed1(silent_s), " s (",
+                  state_->last_store_error.empty() ? "no reply" : state_->last_store_error, "): the process hosting it (",
+                  state_->options.store_host_rank >= 0 ? concat("rank ", state_->options.store_host_rank)
+                                                       : std::string("the launcher's agent"),
+                  ") died, stopped or became unreachable");
   return "";
 }
 

@@ -7,7 +7,8 @@
 //  - publishes a verdict naming the dead rank under one store key, which every rank polls (O(1) store operations
 //    per rank and interval, whatever the world size).
 // A rank that leaves cleanly (destructor) says so first and is never reported. The store itself going silent for
-// `stale_ms` (the process hosting it died or stopped) is a verdict too. Communicators use the verdict to abort
+// `stale_ms` (the process hosting it died or stopped) is a verdict too; when a rank hosts the store
+// (store_host_rank) and its process on this host is gone, the first failed store operation names it. Communicators use the verdict to abort
 // (NCCL watchdog) and to name the dead rank in their DistError (NCCL and Gloo).
 #pragma once
 
@@ -22,6 +23,9 @@ namespace bmt::core {
 struct PeerMonitorOptions {
   int64_t interval_ms = 1000;  // heartbeat and polling period
   int64_t stale_ms = 600000;   // a neighbour silent this long is dead (init uses the job's timeout)
+  // The rank whose process hosts the store (rank 0 without a launcher's agent store), -1 for none. When the store
+  // stops answering, that rank is named: at once when its process on this host is gone, after stale_ms otherwise.
+  int store_host_rank = -1;
 };
 
 class PeerMonitor {

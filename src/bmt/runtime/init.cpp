@@ -68,9 +68,11 @@ std::shared_ptr<core::PeerMonitor> make_peer_monitor(const LaunchEnv& env, std::
   if (const char* t = std::getenv("BMT_HEARTBEAT_TIMEOUT_S")) o.stale_ms = std::atoll(t) * 1000;
   BMT_CHECK(o.stale_ms >= 2000, "BMT_HEARTBEAT_TIMEOUT_S must be at least 2 s (got ", o.stale_ms, " ms)");
   o.interval_ms = std::min<int64_t>(1000, o.stale_ms / 4);
+  o.store_host_rank = env.use_agent_store ? -1 : 0;  // connect_tcp_store: rank 0 hosts it without an agent
   auto c10_store = connect_tcp_store(env.master_addr, env.master_port, env.rank, env.world_size, env.use_agent_store,
                                      env.restart_count, timeout, /*client_only=*/true);
-  auto store = std::make_shared<TorchStore>(c10::make_intrusive<c10d::PrefixStore>("bmtrain", c10_store));
+  auto store = std::make_shared<TorchStore>(c10::make_intrusive<c10d::PrefixStore>("bmtrain", c10_store),
+                                            /*quiet=*/true);
   return std::make_shared<core::PeerMonitor>(store, "bmt/heartbeat", env.rank, env.world_size, o);
 }
 

@@ -6,6 +6,8 @@
 #include <c10/util/Logging.h>
 
 #include <algorithm>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include "bmt/core/error.h"
@@ -19,11 +21,58 @@ std::string describe(const std::exception& e) {
   return e.what();
 }
 
+// torch's TCPStore client logs every failed operation as a warning carrying a C++ backtrace ("[c10d] recvValue
+// failed ... Exception raised from recvBytes ... frame #0 ..."): a dead store host made the heartbeat print 4-5 of
+// them. While a holder lives, c10's logging is raised to FATAL; the holders share one saved level, so overlapping
+// holders on several threads restore it exactly once. Our errors report those failures in one line instead.
+class QuietC10Logs {
+ public:
+  QuietC10Logs() {
+    std::lock_guard<std::mutex> lock(mu());
+    if (holders()++ == 0) {
+      saved() = FLAGS_caffe2_log_level;
+      FLAGS_caffe2_log_level = 3;  // fatal only
+    }
+  }
+  ~QuietC10Logs() {
+    std::lock_guard<std::mutex> lock(mu());
+    if (--holders() == 0) FLAGS_caffe2_log_level = saved();
+  }
+  QuietC10Logs(const QuietC10Logs&) = delete;
+  QuietC10Logs& operator=(const QuietC10Logs&) = delete;
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static int& holders() {
+    static int n = 0;
+    return n;
+  }
+  static int& saved() {
+    static int level = 0;
+    return level;
+  }
+};
+
 }  // namespace
 
-void TorchStore::set(const std::string& key, const std::vector<uint8_t>& value) { store_->set(key, value); }
+// The store's own errors (its host died: "Broken pipe", "Connection reset") as one DistError line without torch's
+// backtrace, naming the operation.
+void TorchStore::set(const std::string& key, const std::vector<uint8_t>& value) {
+  std::optional<QuietC10Logs> quiet;
+  if (quiet_) quiet.emplace();
+  try {
+    store_->set(key, value);
+  } catch (const std::exception& e) {
+    throw core::DistError(core::concat("rendezvous store: setting key '", key, "' failed: ", describe(e)));
+  }
+}
 
 std::vector<uint8_t> TorchStore::get(const std::string& key) {
+  std::optional<QuietC10Logs> quiet;
+  if (quiet_) quiet.emplace();
   try {
     return store_->get(key);
   } catch (const std::exception& e) {
@@ -32,7 +81,15 @@ std::vector<uint8_t> TorchStore::get(const std::string& key) {
   }
 }
 
-int64_t TorchStore::add(const std::string& key, int64_t delta) { return store_->add(key, delta); }
+int64_t TorchStore::add(const std::string& key, int64_t delta) {
+  std::optional<QuietC10Logs> quiet;
+  if (quiet_) quiet.emplace();
+  try {
+    return store_->add(key, delta);
+  } catch (const std::exception& e) {
+    throw core::DistError(core::concat("rendezvous store: adding to key '", key, "' failed: ", describe(e)));
+  }
+}
 
 c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int port, int rank, int world_size,
                                                   bool use_agent_store, int restart_count,
@@ -61,8 +118,7 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int p
     // torch's client retries internally and can wait about twice its timeout, logging every failed attempt with
     // a C++ backtrace: connect in short attempts up to one `timeout` overall, with torch's logging muted, then
     // give the store the real timeout for its later waits.
-    const int saved_log_level = FLAGS_caffe2_log_level;
-    FLAGS_caffe2_log_level = 3;  // fatal only
+    std::optional<QuietC10Logs> quiet(std::in_place);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     std::string last_error = "no attempt was made";
     while (!store) {
@@ -77,7 +133,7 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int p
         std::this_thread::sleep_for(std::min(std::chrono::milliseconds(100), left));
       }
     }
-    FLAGS_caffe2_log_level = saved_log_level;
+    quiet.reset();
     if (!store) throw fail("nothing answered (last attempt: " + last_error + ")");
     store->setTimeout(timeout);
   }

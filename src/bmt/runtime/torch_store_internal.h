@@ -12,7 +12,10 @@ namespace bmt {
 
 class TorchStore final : public core::Store {
  public:
-  explicit TorchStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  // quiet: torch's logging is muted during this connection's operations (the heartbeat's: a dead store host makes
+  // every operation fail, and torch logs each failure with a C++ backtrace; the monitor reports it in one line).
+  explicit TorchStore(c10::intrusive_ptr<c10d::Store> store, bool quiet = false)
+      : store_(std::move(store)), quiet_(quiet) {}
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
   std::vector<uint8_t> get(const std::string& key) override;
   int64_t add(const std::string& key, int64_t delta) override;
@@ -20,6 +23,7 @@ class TorchStore final : public core::Store {
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
+  bool quiet_ = false;
 };
 
 // Connects to (or, when is_server, hosts) the rendezvous TCPStore at host:port.
