@@ -138,7 +138,7 @@ struct SavePlan {
   FileLayout layout;
 };
 
-SavePlan plan_save(const TrainingState& state, core::Communicator& comm, const std::string& what) {
+SavePlan plan_save(const TrainingState& state, core::Communicator& comm, int tp_size, const std::string& what) {
   const int rank = comm.rank();
   SavePlan sp;
   std::vector<LocalSlice>& slices = sp.slices;
@@ -153,7 +153,7 @@ SavePlan plan_save(const TrainingState& state, core::Communicator& comm, const s
       slices.insert(slices.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
     }
     if (state.rng) {
-      auto s = rng_slices(rank, cfg.tp_size);
+      auto s = rng_slices(rank, tp_size);
       slices.insert(slices.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
     }
   });
@@ -171,8 +171,9 @@ SavePlan plan_save(const TrainingState& state, core::Communicator& comm, const s
 
 void prepare_async_save(const TrainingState& state) {
   wait_pending_save();  // no save may use the chunks while they are prepared
-  core::Communicator& comm = *config().comm;
-  SavePlan sp = plan_save(state, comm, "preparing an async checkpoint save");
+  const Config& cfg = config();
+  core::Communicator& comm = *cfg.comm;
+  SavePlan sp = plan_save(state, comm, cfg.tp_size, "preparing an async checkpoint save");
   const int64_t nbytes = sp.layout.file_nbytes[static_cast<size_t>(comm.rank())];
   bool on_device = false;
   for (const LocalSlice& s : sp.slices) on_device |= !s.data.is_cpu();
@@ -194,7 +195,7 @@ SaveHandle save(const std::string& dir_in, const TrainingState& state, const Sav
   BMT_CHECK(state.step >= 0, "checkpoint save of ", dir, ": step must be >= 0, got ", state.step);
 
   // 1. This rank's slices, then the plan (identical on every rank).
-  SavePlan sp = plan_save(state, comm, "checkpoint save to " + dir);
+  SavePlan sp = plan_save(state, comm, cfg.tp_size, "checkpoint save to " + dir);
   std::vector<LocalSlice>& slices = sp.slices;
   const std::vector<PlannedEntry>& plan = sp.plan;
   const FileLayout& layout = sp.layout;
