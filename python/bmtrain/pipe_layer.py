@@ -14,6 +14,10 @@ from .block_layer import Block, BlockUsageError, _ListCall
 from .global_var import config
 
 
+class PipelineNotEnabledError(BlockUsageError, RuntimeError):
+    """A PipelineTransformerBlockList built without init_distributed(pipe_size=N)."""
+
+
 class PipelineTransformerBlockList(torch.nn.Module):
     """BMTrain's PipelineTransformerBlockList(modules, num_hidden=1), after init_distributed(pipe_size=P,
     num_micro_batches=M). Stage s runs layers get_range_by_stage_id(s) (L // P each, the first L % P stages one
@@ -26,7 +30,9 @@ class PipelineTransformerBlockList(torch.nn.Module):
     def __init__(self, modules, num_hidden=1, *, partition=None, num_micro_batches=None, prefetch_depth=1):
         super().__init__()
         if not config["initialized"] or not config.get("pipe_enabled"):
-            raise RuntimeError("PipelineTransformerBlockList needs bmt.init_distributed(pipe_size=N) (N >= 1)")
+            # Both an AssertionError (what BMTrain raises for a list it cannot build) and a RuntimeError.
+            raise PipelineNotEnabledError("PipelineTransformerBlockList needs bmt.init_distributed(pipe_size=N) "
+                                          "(N >= 1)")
         if num_hidden < 1:
             raise ValueError(f"PipelineTransformerBlockList: num_hidden must be >= 1, got {num_hidden}")
         modules = list(modules)

@@ -63,7 +63,15 @@ void layer_norm_param_grads(const at::Tensor& dy2, const at::Tensor& x2, const a
 struct LinearReducedBiasGradFn : torch::autograd::Function<LinearReducedBiasGradFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
     ctx->save_for_backward({x, weight});
-    return at::linear(x, weight, bias);
+    // at::linear of a 3-D input returns a view of its 2-D GEMM result, and autograd forbids in-place ops on a view
+    // made inside a custom Function (`y += b` in a user's forward): the GEMM writes into a fresh tensor instead.
+    if (x.dim() <= 2) return at::linear(x, weight, bias);
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    at::Tensor y = at::empty(sizes, x.options());
+    at::Tensor y2 = y.view({-1, weight.size(0)});
+    at::addmm_out(y2, bias, x.reshape({-1, weight.size(1)}), weight.t());
+    return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
