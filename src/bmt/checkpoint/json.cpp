@@ -27,7 +27,8 @@ std::string describe_parse_error(const std::string& what_text) {
   auto has = [&](const char* s) { return detail.find(s) != std::string::npos; };
   const char* phrase = nullptr;
   if (has("; expected end of input")) phrase = "unexpected trailing characters";
-  else if (has("unexpected end of input")) phrase = "unexpected end of input";
+  // 3.11.2 says "unexpected end of input" for an empty document, 3.11.3 "attempting to parse an empty input".
+  else if (has("unexpected end of input") || has("empty input")) phrase = "unexpected end of input";
   else if (has("missing closing quote")) phrase = "unterminated string";
   else if (has("surrogate")) phrase = "unpaired UTF-16 surrogate";
   else if (has("after backslash") || has("'\\u' must be followed")) phrase = "invalid escape";
