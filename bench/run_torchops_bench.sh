@@ -26,6 +26,8 @@ bench_setup torchops_bench "${TORCHOPS_BUDGET_S:-560}" "" 29760 "${TORCHOPS_RUN_
 [ "$SMOKE" = 1 ] && RESULTS=$LOGDIR/smoke.jsonl
 export BMT_CALL_ID=${BMT_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-$BMT_GIT_COMMIT-$$}
 export PYTHONPATH="$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
+# The package rows measure the documented switch for the step inside the backward (off by default in the package).
+export BMT_STEP_IN_BACKWARD=${BMT_STEP_IN_BACKWARD:-auto}
 echo "[torchops_bench] call_id $BMT_CALL_ID, results $RESULTS"
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -eq 0 ] && CONFIGS=(124m 1p3b 1p3b_ckpt 6p7b_ckpt 1p3b_offload)

@@ -7,7 +7,9 @@ OptimManager::overlap_step_with_backward): the model's gradients are never all h
 Block hands its parameters' own gradients to the optimizer (no fp32 copy). The update is the same: the same Adam
 arithmetic on the same gradients, element by element, only earlier.
 
-"When the step allows it" -- mode "auto" (the default) turns it on from the second iteration when
+"When the step allows it" -- mode "auto" (opt-in: BMT_STEP_IN_BACKWARD=auto or set_step_in_backward("auto"); the
+default is off, since a script that reads gradients between backward() and step() would find them freed) turns it
+on from the second iteration when
   * loss scaling is off (a skipped step cannot undo early updates),
   * every optimizer of the manager is a bmtrain AdamOptimizer / AdamOffloadOptimizer (the engine's overlap drives
     only those),
@@ -49,7 +51,7 @@ class AutoStepInBackward:
 
     def __init__(self, manager):
         self._manager = weakref.ref(manager)  # no cycle: the hook goes with the manager
-        self.mode = _parse(os.environ.get(_ENV, "auto"), _ENV)
+        self.mode = _parse(os.environ.get(_ENV, "0"), _ENV)  # off unless asked: see the module docstring
         self.handle = None          # the engine's OffloadOverlap while on
         self.reason_off = None      # why auto mode stays off for good (None: not decided)
         self._clean = False         # a clean iteration was seen

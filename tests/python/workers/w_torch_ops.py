@@ -1,5 +1,6 @@
 """bmt.torch_ops (torch's functional ops inside Blocks routed to the engine's) and the optimizer step inside the
 backward that OptimManager turns on by itself: each against the plain ops / the normal step."""
+import os
 import sys
 
 import torch
@@ -297,11 +298,35 @@ def step_in_backward_stays_off_when_unsafe():
 
 
 @case
+def step_in_backward_is_off_by_default():
+    """Without BMT_STEP_IN_BACKWARD or set_step_in_backward, plain iterations never move the step into the backward,
+    and every parameter keeps its gradient after backward() (a script may read it before step())."""
+    if "BMT_STEP_IN_BACKWARD" in os.environ:
+        raise AssertionError("the launch must not set BMT_STEP_IN_BACKWARD")
+    model = _lm(torch.float32)
+    opt = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-3)
+    manager = bmt.optim.OptimManager(loss_scale=None)
+    manager.add_optimizer(opt)
+    for i in range(3):
+        ids = _ids(400 + i)
+        manager.zero_grad()
+        manager.backward(_fp32_ce(model(ids[:, :-1]), ids[:, 1:].reshape(-1)))
+        if manager.step_in_backward_active:
+            raise AssertionError(f"iteration {i}: the step moved into the backward without being asked")
+        missing = [n for n, p in model.named_parameters()
+                   if p.requires_grad and p.grad is None and bmt.main_grad(p) is None]
+        if missing:
+            raise AssertionError(f"iteration {i}: no gradient after backward() for {missing[:3]}")
+        manager.step()
+
+
+@case
 def second_backward_after_auto_on_raises():
     model = _lm(torch.float32)
     opt = bmt.optim.AdamOptimizer(model.parameters(), lr=1e-3)
     manager = bmt.optim.OptimManager(loss_scale=None)
     manager.add_optimizer(opt)
+    manager.set_step_in_backward("auto")
     for i in range(2):
         ids = _ids(200 + i)
         manager.zero_grad()
