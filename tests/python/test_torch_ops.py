@@ -52,7 +52,8 @@ def test_torchops_bench_smoke():
     out = tempfile.mkdtemp(prefix="bmt_torchops_bench_")
     path = os.path.join(out, "rows.jsonl")
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", BMT_CALL_ID="smoke-call",
-               PYTHONPATH=os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", "")] if p))
+               PYTHONPATH=os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", "")] if p),
+               BMT_STEP_IN_BACKWARD="auto")
     script = os.path.join(REPO, "bench", "torchops_gpt.py")
     runs = [["--framework", "bmtrain", "--dtype", "bf16", "--checkpointing"], ["--framework", "plain"],
             ["--framework", "fsdp2"]]
@@ -70,7 +71,8 @@ def test_torchops_bench_smoke():
         assert r["call_id"] == "smoke-call" and r["tokens_per_s"] > 0
     bmt_row = rows[0]
     assert bmt_row["config"] == "tiny seq64 batch4 ckpt"
-    # every op of the model reached the engine, and the loop got the step inside the backward
+    # every op of the model reached the engine, and the loop got the step inside the backward (BMT_STEP_IN_BACKWARD=auto
+    # below, as run_torchops_bench.sh sets it: the package's default is off)
     assert all(bmt_row["routed_calls"][op] > 0 for op in ("linear", "layer_norm", "attention", "cross_entropy")), \
         bmt_row["routed_calls"]
     assert bmt_row["step_in_backward"] is True
