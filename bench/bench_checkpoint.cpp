@@ -117,6 +117,7 @@ std::string broadcast_from_rank0(const std::string& mine) {
 
 struct Args {
   std::string preset = "gpt-1.3b", dir, json_path, ops = "safetensors,pt,sharded,async";
+  std::string first_save = "prepare";  // how the first async save gets its buffers: prepare | device | host
   int64_t seq = 0, batch = 0, repeat = 3, warmup = 2, steps = 5, async_max_steps = 200, seed = 1234, disk_gib = 0;
   bool keep = false, drop_cache = false, profile = false;
 };
@@ -125,7 +126,9 @@ const char* kUsage =
     "usage: bmt-bench-ckpt [--preset gpt-1.3b|gpt2-124m|llama-7b|tiny] [--seq T] [--batch B] [--dir DIR] [--keep]\n"
     "                      [--repeat N (3)] [--warmup W (2)] [--steps S (5)] [--async-max-steps M (200)]\n"
     "                      [--ops safetensors,pt,sharded,async] [--drop-cache] [--json PATH] [--seed S]\n"
-    "                      [--disk-gib G (0)] [--profile]\n";
+    "                      [--disk-gib G (0)] [--profile] [--first-save prepare|device|host]\n"
+    "  --first-save: the first async save's buffers: pinned ahead by prepare_async_save (default), or none\n"
+    "                prepared: the state copied to device memory (device) or pinned inside the call (host)\n";
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -152,6 +155,7 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--dir") a.dir = need(i);
     else if (f == "--json") a.json_path = need(i);
     else if (f == "--ops") a.ops = need(i);
+    else if (f == "--first-save") a.first_save = need(i);
     else if (f == "--keep") a.keep = true;
     else if (f == "--drop-cache") a.drop_cache = true;
     else if (f == "--profile") a.profile = true;
@@ -162,6 +166,8 @@ Args parse_args(int argc, char** argv) {
       a.disk_gib < 0)
     throw std::invalid_argument("--repeat, --warmup, --steps must be >= 1, --seq, --batch, --async-max-steps, "
                                 "--disk-gib >= 0");
+  if (a.first_save != "prepare" && a.first_save != "device" && a.first_save != "host")
+    throw std::invalid_argument("--first-save: '" + a.first_save + "' is not prepare, device or host");
   std::stringstream ss(a.ops);
   for (std::string op; std::getline(ss, op, ',');)
     if (op != "safetensors" && op != "pt" && op != "sharded" && op != "async")
@@ -577,7 +583,8 @@ struct Bench {
     // (prepare_async_save); the first save then finds them ready. Steps run until every rank's are.
     double prepare_call_s = 0, prepare_ready_s = 0;
     int64_t prepare_steps = 0;
-    {
+    bool first_device_staged = false;
+    if (a.first_save == "prepare") {
       bmt::checkpoint::TrainingState st = training_state();
       barrier();
       const double tp = now_s();
@@ -597,6 +604,7 @@ struct Bench {
       bmt::checkpoint::TrainingState st = training_state();
       bmt::checkpoint::SaveOptions opts;
       opts.async = true;
+      opts.device_staging = a.first_save != "host";
       barrier();
       const double t0 = now_s();
       bmt::checkpoint::SaveHandle h = bmt::checkpoint::save(d, st, opts);
@@ -615,6 +623,7 @@ struct Bench {
         overlap.push_back(now_s() - ts);
       }
       const bmt::checkpoint::SaveStats s = h.wait();
+      if (r == 0) first_device_staged = s.device_staged;
       async_prof = save_profile("save_async", s);
       total = static_cast<double>(s.total_nbytes);
       commits.push_back(all_ranks({s.total_s, static_cast<double>(s.rank_nbytes), NAN}));
@@ -644,7 +653,8 @@ struct Bench {
       << ",\"slowdown\":" << json_num(ov / step_s) << ",\"write_s\":" << json_num(median(writes))
       << ",\"async_max_steps\":" << a.async_max_steps << ",\"first_stall_s\":" << json_num(stalls.front())
       << ",\"prepare_call_s\":" << json_num(prepare_call_s) << ",\"prepare_ready_s\":" << json_num(prepare_ready_s)
-      << ",\"prepare_steps\":" << prepare_steps << ",\"stall_samples\":[";
+      << ",\"prepare_steps\":" << prepare_steps << ",\"first_save\":\"" << a.first_save
+      << "\",\"first_device_staged\":" << (first_device_staged ? "true" : "false") << ",\"stall_samples\":[";
     for (size_t i = 0; i < stalls.size(); ++i) x << (i ? "," : "") << json_num(stalls[i]);
     report("save_async", commits, total, stall, x.str() + "]" + async_prof);
     char buf[96] = "no later step overlapped the write";
@@ -653,7 +663,11 @@ struct Bench {
       std::printf("bench_ckpt: async: stall %.4f s, issuing step %.4f s (baseline %.4f s), %s, committed after %.3f s "
                   "(rank 0 wrote for %.3f s)%s\n", stall, median(issues), step_s, buf, median(commit_s), median(writes),
                   n >= static_cast<double>(a.async_max_steps) ? " [write outlasted --async-max-steps]" : "");
-    if (rank == 0)
+    if (rank == 0 && a.first_save != "prepare")
+      std::printf("bench_ckpt: async: first save stall %.4f s (--first-save %s: no buffers prepared; the snapshot %s)\n",
+                  stalls.front(), a.first_save.c_str(),
+                  first_device_staged ? "went to device memory" : "pinned its host buffers inside the call");
+    else if (rank == 0)
       std::printf("bench_ckpt: async: first save stall %.4f s (its host buffers prepared ahead by prepare_async_save: "
                   "call %.3f s, ready after %.2f s and %ld training steps, %.4f s per step against %.4f s without)\n",
                   stalls.front(), prepare_call_s, prepare_ready_s, static_cast<long>(prepare_steps),

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The include graph of src/bmt: fails on a cycle between modules, an include that runs up the layers, or an
-`extern` re-declaration of another file's function.
+"""The include graph of src/bmt: fails on a cycle between modules, an include that runs up the layers, an
+`extern` re-declaration of another file's function, or more files reading the global `config()` than
+CONFIG_READERS_MAX (code only: comments and string literals do not count).
 
 A module is a file's stem without `_internal` (block.h, block.cpp and block_internal.h are one module). The layers,
 bottom-up, are the folders below; a file may include its own folder and the folders under it, never one above
@@ -13,6 +14,10 @@ from collections import defaultdict
 # Bottom-up; folders on one rank sit side by side and may not include each other both ways.
 LAYERS = [['core'], ['runtime'], ['params'], ['engine'], ['nn', 'loss', 'optim', 'pipeline'], ['checkpoint'], ['']]
 RANK = {folder: i for i, group in enumerate(LAYERS) for folder in group}
+# Files whose code reads bmt::config() (docs/design.md, "Who reads config()"): the count may only go down; lower
+# this when a reader goes, never raise it (pass the context as an argument instead).
+CONFIG_READERS_MAX = 24
+CONFIG_READ = re.compile(r'(?<![\w.>])config\(\)(?!\s*const\b)')
 INCLUDE = re.compile(r'^\s*#\s*include\s+["<](bmt/[^">]+)[">]', re.M)
 # A function declared in a .cpp but defined elsewhere (`extern` or a bare prototype at namespace scope) re-declares
 # another file's symbol: the declaration belongs in that file's header.
@@ -38,6 +43,16 @@ def defines(text, name):
     return False
 
 
+def reads_config(text):
+    """True when code (not a comment or a string literal) in `text` calls config()."""
+    text = re.sub(r'/\*.*?\*/', '', text, flags=re.S)
+    for line in text.splitlines():
+        code = re.sub(r'"(?:[^"\\]|\\.)*"', '""', line).split('//')[0]
+        if CONFIG_READ.search(code):
+            return True
+    return False
+
+
 def folder_of(rel):  # rel: path under src/bmt
     top = rel.split('/')[0] if '/' in rel else ''
     return top
@@ -55,11 +70,14 @@ def main():
         files += [os.path.relpath(os.path.join(d, n), os.path.join(root, 'bmt')) for n in names
                   if n.endswith(('.h', '.cpp', '.cu', '.cuh'))]
     errors = []
+    config_readers = []
     edges = defaultdict(set)        # module -> modules
     folder_edges = defaultdict(set)
     for rel in sorted(files):
         text = open(os.path.join(root, 'bmt', rel), encoding='utf-8').read()
         f = folder_of(rel)
+        if reads_config(text):
+            config_readers.append(rel)
         if f not in RANK:
             errors.append(f'src/bmt/{rel}: folder "{f}" is not a layer of scripts/check_includes.py (add it)')
             continue
@@ -121,6 +139,11 @@ def main():
         pairs = [f'{a} <-> {b}' for a in comp for b in comp if a < b and b in edges[a] and a in edges[b]]
         errors.append('include cycle between modules: ' + ', '.join(comp) +
                       (f' (two-way: {"; ".join(pairs)})' if pairs else ''))
+    if len(config_readers) > CONFIG_READERS_MAX:
+        errors.append(f'{len(config_readers)} files read config(), more than CONFIG_READERS_MAX = '
+                      f'{CONFIG_READERS_MAX}: take the context (communicator, stream, device, sizes) as an argument '
+                      'instead (docs/design.md, "Who reads config()"); readers: ' +
+                      ', '.join('src/bmt/' + r for r in config_readers))
     n_modules = len(set(edges) | {w for ws in edges.values() for w in ws})
     n_edges = sum(len(ws) for ws in edges.values())
     if '--graph' in sys.argv:
@@ -129,7 +152,8 @@ def main():
     for e in errors:
         print('check_includes:', e)
     print(f'check_includes: {len(files)} files, {n_modules} modules, {n_edges} module includes, '
-          f'{len(comps)} cycles, {len(errors)} problems')
+          f'{len(comps)} cycles, {len(config_readers)} files reading config() (at most {CONFIG_READERS_MAX}), '
+          f'{len(errors)} problems')
     return 1 if errors else 0
 
 

@@ -58,6 +58,10 @@ struct CheckpointInFlight {
 CheckpointInFlight start_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
                                     bmt::optim::OptimManager& optim, int64_t keep_last, const std::string& run_id,
                                     bool async);
+// Collective, before the training loop of an --async-save run: starts pinning the host buffers of the async saves
+// on a background thread (bmt::checkpoint::prepare_async_save), so that the first save does not pin its whole
+// shard file inside its stall.
+void prepare_async_checkpoints(LanguageModel& model, bmt::optim::OptimManager& optim);
 // Collective: waits for the files, then moves `latest` and prunes; throws like save_checkpoint.
 SavedCheckpoint finish_checkpoint(CheckpointInFlight& in_flight);
 

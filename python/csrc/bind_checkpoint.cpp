@@ -47,6 +47,7 @@ void bind_checkpoint(py::module_& m) {
              py::dict d;
              d["stall_s"] = s.stall_s;
              d["write_s"] = s.write_s;
+             d["device_staged"] = s.device_staged;
              d["total_s"] = s.total_s;
              d["rank_nbytes"] = s.rank_nbytes;
              d["total_nbytes"] = s.total_nbytes;

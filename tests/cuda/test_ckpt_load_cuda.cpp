@@ -146,3 +146,49 @@ TEST(CkptLoadCuda, ParametersInSeparateAllocationsLoadInPlaceEachIntoItsOwn) {
     if (bmt::rank() == 0) ck::remove_tree(dir);
   }, init);
 }
+
+// The first async save of a process that prepared no host buffers copies the GPU state into device memory and
+// returns (SaveOptions::device_staging), then stages it to the file through a 4-chunk pinned ring. Training that
+// runs while the file is written must not reach it: the checkpoint holds the state of the save call, bit for bit,
+// on either way (device, and the pinned host snapshot with device_staging off).
+TEST(CkptLoadCuda, AsyncSaveWithoutPreparedBuffersHoldsTheStateOfTheCall) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  ::unsetenv("BMT_CKPT_DEVICE_STAGING");
+  bmt::InitOptions init = bmt::testing::test_init();
+  init.backend = bmt::Backend::kNccl;
+  bmt::testing::run_ranks(1, [&] {
+    for (const bool device_staging : {true, false}) {
+      const std::string dir = "/tmp/bmt_ckpt_async_dev_" + std::to_string(::getpid()) + (device_staging ? "d" : "h");
+      ck::set_stage_chunk_nbytes(64 << 10);  // frees the cached chunks: none are prepared
+      GpuTrainer a(21);
+      for (int s = 0; s < 2; ++s) a.step(s);
+      const bmt::optim::StateDict want = a.manager->state_dict();
+      const bmt::StateDict want_model = bmt::state_dict(*a.model);
+      ck::SaveOptions o;
+      o.async = true;
+      o.device_staging = device_staging;
+      ck::SaveHandle h = ck::save(dir, a.state(), o);
+      for (int s = 2; s < 5; ++s) a.step(s);  // changes every parameter and moment while the file is written
+      const ck::SaveStats stats = h.wait();
+      EXPECT_EQ(stats.device_staged, device_staging);
+      // The device way borrows only the ring; the host way the whole file.
+      const int64_t file_chunks = (stats.rank_nbytes + (64 << 10) - 1) / (64 << 10);
+      if (device_staging) EXPECT_LE(ck::host_chunk_count(), ck::kSyncRingChunks);
+      else EXPECT_EQ(ck::host_chunk_count(), file_chunks);
+      GpuTrainer b(22);
+      ck::TrainingState st = b.state();
+      ck::load(dir, st);
+      const bmt::optim::StateDict got = b.manager->state_dict();
+      ASSERT_EQ(got.size(), want.size());
+      for (const auto& [k, v] : want) {
+        ASSERT_TRUE(got.count(k)) << k;
+        EXPECT_TRUE(at::equal(got.at(k).cpu(), v.cpu())) << k << (device_staging ? " (device way)" : " (host way)");
+      }
+      const bmt::StateDict got_model = bmt::state_dict(*b.model);
+      for (const auto& [k, v] : want_model)
+        EXPECT_TRUE(at::equal(got_model.at(k).cpu(), v.cpu())) << k << (device_staging ? " (device way)" : " (host way)");
+      if (bmt::rank() == 0) ck::remove_tree(dir);
+    }
+    ck::set_stage_chunk_nbytes(ck::kDefaultStageChunkNbytes);
+  }, init);
+}

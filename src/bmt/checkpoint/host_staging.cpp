@@ -85,6 +85,68 @@ bool host_chunks_prepared() {
   return !g_prepared.valid() || g_prepared.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
 }
 
+bool host_chunks_ready(int64_t n, bool pinned) {
+#ifndef BMT_WITH_CUDA
+  pinned = false;
+#endif
+  if (!host_chunks_prepared()) return false;
+  std::lock_guard<std::mutex> lock(g_chunks_mutex);
+  if (static_cast<int64_t>(g_chunks.size()) < n) return false;
+  for (int64_t i = 0; i < n; ++i)
+    if (g_chunks[static_cast<size_t>(i)]->pinned != pinned) return false;
+  return true;
+}
+
+std::optional<std::vector<ImagePiece>> copy_pieces_for_device_staging(const std::vector<ImagePiece>& pieces) {
+#ifdef BMT_WITH_CUDA
+  int64_t device_nbytes = 0;
+  int device = -1;
+  for (const ImagePiece& p : pieces) {
+    if (p.bytes.is_cpu()) continue;
+    if (!p.bytes.is_cuda() || (device >= 0 && device != p.bytes.device().index())) return std::nullopt;
+    device = p.bytes.device().index();
+    device_nbytes += p.bytes.numel();
+  }
+  if (device < 0) return std::nullopt;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  // Room: the copy stays allocated while later steps run, so it must fit beside their peak.
+  size_t free_nbytes = 0, total_nbytes = 0;
+  if (cudaMemGetInfo(&free_nbytes, &total_nbytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::nullopt;
+  }
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+  const auto agg = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  const int64_t allocated = stats.allocated_bytes[agg].current, peak = stats.allocated_bytes[agg].peak;
+  const int64_t cached_unused = stats.reserved_bytes[agg].current - allocated;
+  const int64_t available = static_cast<int64_t>(free_nbytes) + cached_unused - static_cast<int64_t>(total_nbytes / 20);
+  if (device_nbytes + (peak - allocated) > available) return std::nullopt;
+  at::Tensor buf;
+  try {
+    buf = at::empty({device_nbytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+  } catch (const c10::OutOfMemoryError&) {
+    return std::nullopt;
+  }
+  std::vector<ImagePiece> out;
+  out.reserve(pieces.size());
+  int64_t off = 0;
+  for (const ImagePiece& p : pieces) {
+    if (p.bytes.is_cpu()) {
+      out.push_back({p.file_offset, p.bytes.clone()});
+      continue;
+    }
+    at::Tensor dst = buf.narrow(0, off, p.bytes.numel());
+    dst.copy_(p.bytes);  // on the current stream: ordered before the next training step's kernels
+    off += p.bytes.numel();
+    out.push_back({p.file_offset, dst});
+  }
+  return out;
+#else
+  (void)pieces;
+  return std::nullopt;
+#endif
+}
+
 void set_prepare_hook(std::function<void(int64_t)> hook) {
   std::lock_guard<std::mutex> lock(g_prepare_mutex);
   g_prepare_hook = std::move(hook);

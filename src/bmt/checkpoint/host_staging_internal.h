@@ -14,6 +14,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace bmt::checkpoint {
@@ -47,6 +48,9 @@ void free_host_chunks();
 void prepare_host_chunks(int64_t n, bool pinned);
 // True when no preparation is running.
 bool host_chunks_prepared();
+// True when no preparation is running and chunks [0, n) of that kind are cached (a save borrowing them allocates
+// nothing).
+bool host_chunks_ready(int64_t n, bool pinned);
 // Tests: called on the preparing thread before chunk i is allocated (e.g. to hold it); empty clears it.
 void set_prepare_hook(std::function<void(int64_t)> hook);
 // How many chunks the process holds.
@@ -57,6 +61,12 @@ struct ImagePiece {
   int64_t file_offset = 0;
   at::Tensor bytes;
 };
+
+// The device way of an async snapshot (shard_writer_internal.h): the pieces with every CUDA piece copied into one
+// new device buffer on the current stream and every host piece cloned, or nothing (no CUDA piece, a build without
+// CUDA, or no room: the copy plus the growth of the caching allocator's peak over its current use must fit in the
+// device's free memory plus the allocator's unused cache, with 5% of the device left over).
+std::optional<std::vector<ImagePiece>> copy_pieces_for_device_staging(const std::vector<ImagePiece>& pieces);
 
 // Fills chunk k of the image (file bytes [k*C, min((k+1)*C, file_nbytes))) into host memory: enqueues device
 // copies on a side stream and host copies + zero gaps on the checksum workers. wait(k) returns when chunk k is

@@ -84,6 +84,20 @@ ShardFileInfo write_image(const std::string& path, const std::string& name, Imag
   return info;
 }
 
+// Writes the image through a ring of kSyncRingChunks host chunks: copies of chunk k + ring overlap the write of k.
+ShardFileInfo write_through_ring(const std::string& path, const std::string& name, ImageFiller& filler,
+                                 int64_t file_nbytes, int64_t block_nbytes, WriteProfile* profile) {
+  const int64_t n = filler.num_chunks(), ring = std::min<int64_t>(kSyncRingChunks, n);
+  std::vector<HostChunk*> slots = borrow_host_chunks(ring, filler.has_device_pieces());
+  auto slot = [&](int64_t k) { return slots[static_cast<size_t>(k % ring)]->data; };
+  for (int64_t k = 0; k < ring; ++k) filler.fill(k, slot(k));
+  return write_image(path, name, filler, slot,
+                     [&](int64_t k) {
+                       if (k + ring < n) filler.fill(k + ring, slot(k + ring));
+                     },
+                     file_nbytes, block_nbytes, profile);
+}
+
 }  // namespace
 
 std::vector<WriteItem> rank_write_items(const std::vector<PlannedEntry>& plan, const FileLayout& layout,
@@ -109,19 +123,24 @@ std::vector<WriteItem> rank_write_items(const std::vector<PlannedEntry>& plan, c
 ShardFileInfo write_shard_file(const std::string& path, const std::string& name, const std::vector<WriteItem>& items,
                                int64_t file_nbytes, int64_t block_nbytes, WriteProfile* profile) {
   ImageFiller filler(image_pieces(items), file_nbytes);
-  const int64_t n = filler.num_chunks(), ring = std::min<int64_t>(kSyncRingChunks, n);
-  std::vector<HostChunk*> slots = borrow_host_chunks(ring, filler.has_device_pieces());
-  auto slot = [&](int64_t k) { return slots[static_cast<size_t>(k % ring)]->data; };
-  for (int64_t k = 0; k < ring; ++k) filler.fill(k, slot(k));
-  return write_image(path, name, filler, slot,
-                     [&](int64_t k) {
-                       if (k + ring < n) filler.fill(k + ring, slot(k + ring));
-                     },
-                     file_nbytes, block_nbytes, profile);
+  return write_through_ring(path, name, filler, file_nbytes, block_nbytes, profile);
 }
 
-ShardSnapshot::ShardSnapshot(const std::vector<WriteItem>& items, int64_t file_nbytes) : file_nbytes_(file_nbytes) {
-  filler_ = std::make_unique<ImageFiller>(image_pieces(items), file_nbytes);
+ShardSnapshot::ShardSnapshot(const std::vector<WriteItem>& items, int64_t file_nbytes, bool device_staging)
+    : file_nbytes_(file_nbytes) {
+  std::vector<ImagePiece> pieces = image_pieces(items);
+  const int64_t n = (file_nbytes + stage_chunk_nbytes() - 1) / stage_chunk_nbytes();
+  bool on_device = false;
+  for (const ImagePiece& p : pieces) on_device |= !p.bytes.is_cpu();
+  if (device_staging && on_device && !host_chunks_ready(n, /*pinned=*/true)) {
+    if (auto copies = copy_pieces_for_device_staging(pieces)) {
+      // The filler's side stream starts after the copies just issued on the compute stream; write() fills.
+      filler_ = std::make_unique<ImageFiller>(std::move(*copies), file_nbytes);
+      device_staged_ = true;
+      return;
+    }
+  }
+  filler_ = std::make_unique<ImageFiller>(std::move(pieces), file_nbytes);
   chunks_ = borrow_host_chunks(filler_->num_chunks(), filler_->has_device_pieces());
   for (int64_t k = 0; k < filler_->num_chunks(); ++k) filler_->fill(k, chunks_[static_cast<size_t>(k)]->data);
   // Host pieces: copied before returning (training may modify them next). Device pieces: the compute stream
@@ -134,6 +153,11 @@ ShardSnapshot::~ShardSnapshot() = default;
 
 ShardFileInfo ShardSnapshot::write(const std::string& path, const std::string& name, int64_t block_nbytes,
                                    WriteProfile* profile) {
+  if (device_staged_) {
+    ShardFileInfo info = write_through_ring(path, name, *filler_, file_nbytes_, block_nbytes, profile);
+    filler_.reset();  // frees the device copy (its reads on the side stream are recorded with the allocator)
+    return info;
+  }
   return write_image(path, name, *filler_, [&](int64_t k) { return chunks_[static_cast<size_t>(k)]->data; },
                      [](int64_t) {}, file_nbytes_, block_nbytes, profile);
 }

@@ -8,9 +8,15 @@
 // whole file. The file is fsynced once at the end and closed before its info is returned, so a returned
 // ShardFileInfo always describes durable bytes.
 //  * write_shard_file (sync save): a ring of kSyncRingChunks chunks: copies of chunk k+4 overlap the write of k.
-//  * ShardSnapshot (async save): take() copies the whole file image into host chunks and returns once the bytes
-//    are safe from later training (host pieces copied; device copies enqueued with the compute stream ordered
-//    after them), then write() (on a background thread) writes them like the sync path.
+//  * ShardSnapshot (async save): the constructor copies the whole file image and returns once the bytes are safe
+//    from later training, then write() (on a background thread) writes them. Two ways:
+//    - host: into host chunks for the whole file (pinned with CUDA; host pieces copied, device copies enqueued
+//      with the compute stream ordered after them) when they are ready (cached from an earlier save or
+//      prepare_async_save) or when the GPU has no room for the second way;
+//    - device (the first async save of a process that did not prepare): the device pieces are copied into one
+//      device buffer on the compute stream (milliseconds, against seconds to pin the whole file), and write()
+//      stages them through a ring of pinned chunks like the sync path; the buffer is freed when the file is
+//      written. Taken only when the GPU's free memory holds the copy on top of the peak of the steps so far.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -51,17 +57,21 @@ ShardFileInfo write_shard_file(const std::string& path, const std::string& name,
 
 class ShardSnapshot {
  public:
-  // Uses the process's cached host chunks (allocated on first use); the items may be dropped after this returns.
-  ShardSnapshot(const std::vector<WriteItem>& items, int64_t file_nbytes);
+  // Host way: the process's cached host chunks (allocated here when missing). Device way (above) when
+  // `device_staging` and it applies. The items may be dropped after this returns.
+  ShardSnapshot(const std::vector<WriteItem>& items, int64_t file_nbytes, bool device_staging = true);
   ~ShardSnapshot();
   ShardSnapshot(const ShardSnapshot&) = delete;
   ShardSnapshot& operator=(const ShardSnapshot&) = delete;
   ShardFileInfo write(const std::string& path, const std::string& name, int64_t block_nbytes,
                       WriteProfile* profile = nullptr);
   int64_t nbytes() const { return file_nbytes_; }
+  // True when the snapshot took the device way.
+  bool device_staged() const { return device_staged_; }
 
  private:
   int64_t file_nbytes_;
+  bool device_staged_ = false;
   std::unique_ptr<ImageFiller> filler_;
   std::vector<HostChunk*> chunks_;
 };

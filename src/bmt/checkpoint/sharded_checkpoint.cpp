@@ -14,6 +14,7 @@
 #include "bmt/checkpoint/host_staging_internal.h"
 #include "bmt/checkpoint/load_staging_internal.h"
 #include "bmt/core/error.h"
+#include "bmt/runtime/env_switch_internal.h"
 #include "bmt/runtime/init.h"
 #include "bmt/params/pending_update.h"
 
@@ -50,6 +51,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// SaveOptions::device_staging's process-wide off switch (a Python script cannot reach SaveOptions).
+EnvSwitch g_device_staging("BMT_CKPT_DEVICE_STAGING");
 
 // Reading straight into the live tensors (checksummed blocks in parallel, one pass), on CPU and GPU ranks alike
 // (GPU destinations go through the pinned ring + cudaMemcpyAsync; confirmed on an H200 at gpt2-124m and gpt-1.3b,
@@ -238,7 +242,11 @@ SaveHandle save(const std::string& dir_in, const TrainingState& state, const Sav
   for (int64_t n : layout.file_nbytes) hs->stats.total_nbytes += n;
   if (options.async) {
     const auto ts = Clock::now();
-    err = detail::capture_error([&] { spec.snapshot = std::make_unique<ShardSnapshot>(spec.items, spec.file_nbytes); });
+    const bool device_staging = options.device_staging && g_device_staging.enabled();
+    err = detail::capture_error([&] {
+      spec.snapshot = std::make_unique<ShardSnapshot>(spec.items, spec.file_nbytes, device_staging);
+      hs->stats.device_staged = spec.snapshot->device_staged();
+    });
     spec.items.clear();
     hs->stats.snapshot_s = seconds_since(ts);
     slices.clear();

@@ -66,6 +66,11 @@ struct SaveOptions {
   bool async = false;
   int64_t checksum_block_nbytes = kDefaultChecksumBlockNbytes;
   bool allow_exchange = true;  // commit with renameat2(RENAME_EXCHANGE) where supported (else rename protocol)
+  // Async saves whose host buffers are not ready (no earlier async save, no prepare_async_save) copy the GPU state
+  // into device memory instead, when the GPU has room beside the peak of the steps so far, and stage it to the
+  // file from there (stall: milliseconds, not the seconds pinning the whole file takes; the copy is freed once
+  // written). false, or BMT_CKPT_DEVICE_STAGING=0: always the pinned host snapshot.
+  bool device_staging = true;
 };
 
 struct SaveStats {
@@ -73,6 +78,7 @@ struct SaveStats {
   double snapshot_s = 0;  // part of the stall spent on the host snapshot (async: host pieces copied, device
                           // copies enqueued on a side stream that the compute stream then waits for)
   double write_s = 0;     // writing + fsync of this rank's shard file
+  bool device_staged = false;  // async: the snapshot went to device memory (SaveOptions::device_staging)
   // Profile of this rank's save (seconds): collecting the slices and planning (collectives), then the shard
   // write's thread: waiting for staged bytes (device → host copies, memcpy), write syscalls, waiting for the
   // checksum workers, the final fsync + close.
