@@ -251,10 +251,6 @@ CheckpointInFlight start_checkpoint(const std::string& root, int64_t step, Langu
   return out;
 }
 
-void prepare_async_checkpoints(LanguageModel& model, bmt::optim::OptimManager& optim) {
-  bmt::checkpoint::prepare_async_save(training_state(model, optim));
-}
-
 SavedCheckpoint finish_checkpoint(CheckpointInFlight& in_flight) {
   SavedCheckpoint out;
   out.dir = join(in_flight.root, in_flight.name);

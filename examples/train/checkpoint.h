@@ -45,7 +45,7 @@ SavedCheckpoint save_checkpoint(const std::string& root, int64_t step, LanguageM
                                 bmt::optim::OptimManager& optim, int64_t keep_last, const std::string& run_id);
 
 // --async-save: a checkpoint whose files are still being written in the background (bmt::checkpoint's async save:
-// the state was copied to host memory before start_checkpoint returned, so training may go on). `latest` moves
+// the state was copied (device or host memory) before start_checkpoint returned, so training may go on). `latest` moves
 // only in finish_checkpoint, after every rank's files are committed: a crash meanwhile leaves `latest` on the
 // previous checkpoint.
 struct CheckpointInFlight {
@@ -58,10 +58,6 @@ struct CheckpointInFlight {
 CheckpointInFlight start_checkpoint(const std::string& root, int64_t step, LanguageModel& model,
                                     bmt::optim::OptimManager& optim, int64_t keep_last, const std::string& run_id,
                                     bool async);
-// Collective, before the training loop of an --async-save run: starts pinning the host buffers of the async saves
-// on a background thread (bmt::checkpoint::prepare_async_save), so that the first save does not pin its whole
-// shard file inside its stall.
-void prepare_async_checkpoints(LanguageModel& model, bmt::optim::OptimManager& optim);
 // Collective: waits for the files, then moves `latest` and prunes; throws like save_checkpoint.
 SavedCheckpoint finish_checkpoint(CheckpointInFlight& in_flight);
 

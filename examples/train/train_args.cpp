@@ -40,8 +40,9 @@ std::string train_usage() {
                       --resume continues from D/latest, also at another world or tp size (optimizer state
                       resharded, not restarted). A fresh run refuses a D that already holds checkpoints
                       (another run's); --overwrite-checkpoints deletes them instead
-  --async-save        write each checkpoint in the background (the state is copied to host memory first, so
-                      training goes on); `latest` moves onto it when the next save starts or the run ends
+  --async-save        write each checkpoint in the background (the state is copied first, to GPU memory when
+                      it has room, else to pinned host memory, so training goes on); `latest` moves onto it
+                      when the next save starts or the run ends
   --keep-last K       keep the newest K checkpoints of this run (a run id in each checkpoint's metadata, kept
                       across --resume), delete its older ones after each new one (default 0: all); other
                       runs' checkpoints are never deleted

@@ -370,7 +370,6 @@ TrainResult run_training(const TrainArgs& args) {
   build(run);
   print_header(run);
   resume(run);
-  if (args.async_save && args.saves()) prepare_async_checkpoints(*run.model, *run.optim);
   if (run.rank0 && !args.metrics_path.empty())
     run.metrics = MetricsLog(args.metrics_path, args.resume && run.result.start_step > 0);
   run.progress = std::make_unique<Progress>(run.s.steps, run.rank0 ? args.progress : "off", args.log_every);
