@@ -182,7 +182,7 @@ void finish_save(Run& run) {
   run.progress->message(line);
 }
 
-// Synchronous: written and committed before the next step. --async-save: the state is copied to host memory and
+// Synchronous: written and committed before the next step. --async-save: the state is copied (device or host) and
 // written in the background while training goes on; it is committed when the next save starts or the loop ends.
 void save(Run& run, int64_t step) {
   finish_save(run);

@@ -216,8 +216,8 @@ def save_checkpoint(directory, model, optim_manager=None, step=0, *, optimizers=
                     async_save=False, metadata=None):
     """Sharded checkpoint (one file per rank, checksummed, committed atomically) of the model and the optimizer
     state (through the OptimManager: optimizers, LR schedulers, loss scale), loadable at any world size and
-    tensor-parallel size. async_save: returns once the state is copied to host memory; the write runs in the
-    background (the next save or load waits for it). Returns a handle whose wait() gives the statistics."""
+    tensor-parallel size. async_save: returns once the state is copied (to GPU memory when it has room, else to
+    host memory); the write runs in the background (the next save or load waits for it). Returns a handle whose wait() gives the statistics."""
     holder = holder_of(model)
     meta = dict(metadata or {})
     if _SCHEDULERS_KEY in meta:
