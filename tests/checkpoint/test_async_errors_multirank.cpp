@@ -1,8 +1,11 @@
 // Async sharded saves (the checkpoint holds the state at save() time although training modified it while the
 // writer ran; the stall is reported) and clear, agreed errors: corrupted shard, unknown format version, optimizer
 // state loaded into a different model, missing checkpoint.
+#include <cstdio>
 #include <fstream>
 #include <thread>
+
+#include "bmt/checkpoint/checkpoint_reader.h"
 
 #include "ckpt_test_util.h"
 
@@ -115,5 +118,51 @@ TEST(ShardedCheckpoint, ErrorsAreClearAndAgreedOnEveryRank) {
     bmt::synchronize();
     msg = load_error(dir / "ckpt_v", st);
     EXPECT_NE(msg.find("unknown checkpoint format version 9"), std::string::npos) << msg;
+  });
+}
+
+// Damage found while the tensors are read into place (after the check) has already overwritten part of the model
+// and optimizer: the error must say so, on every rank, so that nobody trains on from the half-loaded state.
+TEST(ShardedCheckpoint, DamageFoundWhileLoadingInPlaceSaysTheStateIsPartlyOverwritten) {
+  SharedDir dir("partly");
+  bmt::testing::run_ranks(2, [&] {
+    tiny::Dims d;
+    d.dim = 64;
+    d.ff = 256;  // fc1/fc2 weights of 64 KB: many 4 KB checksum blocks hold nothing but their bytes
+    Trainer t(3, true, d);
+    t.step(0);
+    ck::SaveOptions o;
+    o.checksum_block_nbytes = 4096;
+    ck::save(dir / "ckpt", t.state(1), o).wait();
+    bmt::synchronize();
+    if (bmt::rank() == 0) {
+      // The middle of the largest model tensor's first piece: read in the apply phase, not by the check.
+      ck::CheckpointReader r(dir / "ckpt");
+      const ck::EntryMeta* big = nullptr;
+      for (const ck::EntryMeta& e : r.metadata().entries) {
+        auto role = e.attrs.find("role");
+        if (role == e.attrs.end() || role->second != "model" || e.pieces.empty() || e.dtype != "F32") continue;
+        if (!big || e.pieces[0].elem_end - e.pieces[0].elem_begin > big->pieces[0].elem_end - big->pieces[0].elem_begin)
+          big = &e;
+      }
+      ASSERT_NE(big, nullptr);
+      const ck::Piece& p = big->pieces[0];
+      ASSERT_GE((p.elem_end - p.elem_begin) * 4, 3 * 4096) << big->key << " is too small to hold its own blocks";
+      const int64_t at = p.byte_offset + (p.elem_end - p.elem_begin) * 4 / 2;
+      char name[32];
+      std::snprintf(name, sizeof name, "rank-%05d.bin", p.file);
+      std::fstream f(dir / ("ckpt/" + std::string(name)), std::ios::in | std::ios::out | std::ios::binary);
+      char c = 0;
+      f.seekg(at);
+      f.get(c);
+      f.seekp(at);
+      f.put(static_cast<char>(c ^ 0x55));
+    }
+    bmt::synchronize();
+    Trainer u(3, true, d);
+    ck::TrainingState st = u.state(0);
+    const std::string msg = load_error(dir / "ckpt", st);
+    EXPECT_NE(msg.find("checksum mismatch in rank-0000"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("partly overwritten: load a good checkpoint before training on"), std::string::npos) << msg;
   });
 }
