@@ -50,6 +50,9 @@ void make_distributed(const at::Tensor& target, const at::Tensor& data, py::obje
   }
   if (!data.is_meta()) scatter_full(created, data);  // meta: shape only, the shard stays zeros until init
   adopt_distributed_parameter(target, created);
+  // BMTrain: a parameter's gradient is in its own dtype, in .grad (outside Blocks; a Block's reduce_dtype rules
+  // inside one).
+  meta_of(target).grad_dtype = data.scalar_type();
 }
 
 NamedTensors named_tensors(const py::iterable& items) {

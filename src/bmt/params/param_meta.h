@@ -15,6 +15,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "bmt/core/communicator.h"
@@ -71,6 +72,10 @@ struct ParamMeta {
   int tp_size = 1;        // number of pieces (Config::tp_size for split parameters, else 1)
   int tp_rank = 0;        // the piece held here
   TpGradReduce tp_grad_reduce = TpGradReduce::kNone;  // replicated over tp > 1: how gradient copies combine
+  // Outside a Block: the dtype of the gradient shard (main_grad). Unset: fp32 for fp16/bf16 parameters, else the
+  // parameter's dtype. When it equals the parameter's dtype, .grad is the shard too (BMTrain's Python API sets
+  // it to the parameter's dtype; inside a Block, BlockOptions::reduce_dtype decides).
+  std::optional<at::ScalarType> grad_dtype;
   ParamOwner* block = nullptr;  // the Block owning this parameter's storage, if any
   // An asynchronous optimizer update still running on this parameter (see pending_update.h, the only code that
   // touches it, under its lock).

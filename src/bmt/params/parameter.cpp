@@ -169,6 +169,7 @@ void reshard_distributed_parameter(const at::Tensor& param, std::shared_ptr<core
   std::shared_ptr<ParamMeta> meta = take_meta(created);
   std::shared_ptr<ParamMeta> previous = take_meta(param);
   meta->init_method = previous->init_method;
+  meta->grad_dtype = previous->grad_dtype;
   const bool requires_grad = param.requires_grad();
   param.set_data(created);
   param.set_requires_grad(requires_grad);
@@ -251,9 +252,18 @@ void scatter_logical(const at::Tensor& param, const at::Tensor& logical) {
 
 at::Tensor ensure_main_grad(const at::Tensor& param) {
   at::Tensor g = main_grad(param);
-  if (g.defined() && is_distributed_param(param)) return g;
   ParamMeta& m = meta_of(param);
   at::ScalarType gt = (m.dtype == at::kHalf || m.dtype == at::kBFloat16) ? at::kFloat : m.dtype;
+  if (m.grad_dtype) gt = *m.grad_dtype;
+  if (g.defined()) {
+    // .grad is the shard (same dtype) but was set to None (zero_grad(set_to_none=True), `p.grad = None`): the
+    // gradient it held is discarded, as torch does, and .grad points at the shard again.
+    if (gt == m.dtype && !param.grad().defined()) {
+      g.zero_();
+      param.mutable_grad() = g;
+    }
+    return g;
+  }
   g = at::zeros({param.numel()}, param.options().dtype(gt).requires_grad(false));
   set_main_grad(param, g);
   if (gt == m.dtype) param.mutable_grad() = g;

@@ -486,6 +486,65 @@ def block_bf16():
 
 
 @case
+def outside_block_bf16_grad():
+    """bf16 DistributedParameters outside any Block (the Net's input projection and head): after backward, .grad is
+    this rank's shard of the gradient summed over the ranks in the parameter's dtype (BMTrain's), bmt.main_grad(p)
+    is that tensor, a second backward adds to it, and `p.grad = None` (zero_grad(set_to_none=True)) discards it:
+    the next backward starts from zero."""
+    T, M = make(TORCH_BF16), make(BMT_BF16)
+    model, ref = M.Net(D, 2, 670), T.Net(D, 2, 670)
+
+    def backward(seed):
+        ((model(rank_input(rank(), B, D, seed=seed).to(torch.bfloat16)).float() * randn(B, 3, seed=seed)).sum()).backward()
+        sums = {}
+        for r in range(world()):
+            ref.zero_grad(set_to_none=True)
+            ((ref(rank_input(r, B, D, seed=seed).to(torch.bfloat16)).float() * randn(B, 3, seed=seed)).sum()).backward()
+            for name, p in ref.named_parameters():
+                sums[name] = sums.get(name, 0) + p.grad.float()
+        return sums
+
+    outside = [(n, p) for n, p in model.named_parameters() if not n.startswith("layers.")]
+    if not outside:
+        raise AssertionError("the Net has no parameter outside its Blocks")
+    first = backward(31)
+    for name, p in outside:
+        rng = local_shard_range(p)
+        if rng is None:
+            continue
+        g = p.grad
+        if g is None or g.dtype != torch.bfloat16 or g.numel() != rng[1] - rng[0]:
+            raise AssertionError(f"{name}: .grad is {None if g is None else (g.dtype, g.numel())}, expected the "
+                                 f"parameter's bf16 shard of {rng[1] - rng[0]} elements")
+        if bmt.main_grad(p) is None or bmt.main_grad(p).data_ptr() != g.data_ptr():
+            raise AssertionError(f"{name}: bmt.main_grad(p) is not p.grad (the optimizers read another tensor)")
+        want = first[name].reshape(-1)[rng[0]:rng[1]].to(torch.bfloat16)
+        if world() <= 2:
+            assert_equal(f"outside-Block grad {name}", g, want)
+        else:
+            assert_close(f"outside-Block grad {name}", g.float(), want.float(), rtol=2e-2, atol=1e-2)
+    before = {n: p.grad.float().clone() for n, p in outside if p.grad is not None}
+    second = backward(32)
+    for name, p in outside:
+        if name in before:
+            rng = local_shard_range(p)
+            want = before[name] + second[name].reshape(-1)[rng[0]:rng[1]].to(torch.bfloat16).float()
+            assert_close(f"accumulated outside-Block grad {name}", p.grad.float(), want, rtol=2e-2, atol=2e-2)
+    for _, p in outside:
+        p.grad = None
+    third = backward(33)
+    for name, p in outside:
+        rng = local_shard_range(p)
+        if rng is None:
+            continue
+        if p.grad is None:
+            raise AssertionError(f"{name}: .grad stayed None after a backward that followed p.grad = None")
+        want = third[name].reshape(-1)[rng[0]:rng[1]].to(torch.bfloat16)
+        assert_close(f"outside-Block grad after p.grad = None {name}", p.grad.float(), want.float(), rtol=2e-2,
+                     atol=1e-2)
+
+
+@case
 def block_bf16_fp32_shard():
     """reduce_dtype=torch.float32 keeps the fp32 gradient shard (.grad None, the gradient in bmt.main_grad(p)):
     twice the bytes of the default bf16 shard, which is exactly the size of the parameter shard."""

@@ -72,9 +72,9 @@ def adam_bf16_vs_fp32_master():
         for step in range(3):
             om.zero_grad()
             om.backward(_loss(model(rank_input(rank(), B, D, seed=90 + step).to(torch.bfloat16)).float()))
-            # Each rank's bf16 gradient, summed in fp32 (as the fp32 gradient shards of the parameters outside
-            # Blocks hold them); the Blocks' parameters keep BMTrain's bf16 gradient shard: the sum rounded to bf16
-            # (once here; the engine's reduction rounds per step at world 4, within the tolerance).
+            # Each rank's bf16 gradient, summed in fp32; every parameter keeps BMTrain's bf16 gradient shard (in
+            # Blocks and outside them): the sum rounded to bf16 (once here; the engine's reduction rounds per step
+            # at world 4, within the tolerance).
             for m in master:
                 m.grad = torch.zeros_like(m)
             for r in range(world()):
@@ -83,9 +83,8 @@ def adam_bf16_vs_fp32_master():
                 (_loss(ref(rank_input(r, B, D, seed=90 + step).to(torch.bfloat16)).float()) / world()).backward()
                 for m, p in zip(master, ref.parameters()):
                     m.grad += p.grad.float()
-            for (name, _), m in zip(ref.named_parameters(), master):
-                if name.startswith("layers."):
-                    m.grad = m.grad.to(torch.bfloat16).float()
+            for m in master:
+                m.grad = m.grad.to(torch.bfloat16).float()
             om.step()
             ref_opt.step()
             with torch.no_grad():
