@@ -96,13 +96,18 @@ class AdamOffloadOptimizer : public AdamBase {
     std::vector<at::Tensor> keep_alive;  // gradient (and parameter) read by its tasks
     bool registered = false;             // the parameter's pending update (asynchronous step, Block parameter)
   };
-  void start_one(const at::Tensor& p, const AdamOptions& o, float inv_scale);
-  void start_on_device(const at::Tensor& p, at::Tensor grad, AdamState& s, const AdamOptions& o, float inv_scale,
+  void start_one(const at::Tensor& p, const AdamOptions& o, double loss_scale);
+  void start_on_device(const at::Tensor& p, at::Tensor grad, AdamState& s, const AdamOptions& o, double loss_scale,
                        PendingUpdate& update);
   // Waits for one in-flight update; returns its error instead of throwing.
   static std::exception_ptr finish(InFlight& f);
   void submit_chunks(PendingUpdate& update, const core::kernels::AdamTensorArgs& args, float inv_scale,
                      std::function<void()> before, std::function<void()> after);
+  // The update of an fp32 parameter whose host values are `param_data`: torch.optim.Adam's single-tensor sequence
+  // (torch_adam.h, as AdamOptimizer on the CPU), one task (splitting the tensor could change float results).
+  void submit_fp32(PendingUpdate& update, const at::Tensor& param_data, const at::Tensor& grad, const AdamState& s,
+                   const AdamOptions& o, double lr, double loss_scale, std::function<void()> before,
+                   std::function<void()> after);
   // Waits for (and forgets) the in-flight updates `which` selects; returns the first error instead of throwing.
   std::exception_ptr finish_where(const std::function<bool(const InFlight&)>& which);
   void end_iteration();
