@@ -1,13 +1,14 @@
-// AdamOffloadOptimizer: Adam (AdamW) with its state in host memory and the update on the CPU, for parameters that
-// live on a GPU (or on the CPU). Same update, options, state dict and results as AdamOptimizer (the same CPU kernel
-// runs, so on CPU parameters both are bit-identical).
+// AdamOffloadOptimizer: Adam with its state in host memory and the update on the CPU, for parameters that live on
+// a GPU (or on the CPU). Same update, options, state dict and results as AdamOptimizer on the CPU (the same code
+// runs, so on CPU parameters both are bit-identical): half-precision parameters by the fused kernel (decoupled
+// weight decay), fp32 ones by torch.optim.Adam's single-tensor op sequence (torch_adam.h) in one pool task each.
 //
 // Per parameter of a CUDA build with a CUDA parameter, one step is a pipeline:
 //   1. (caller thread) the copy stream waits for the current stream; the gradient (and, for fp32 parameters, the
 //      parameter) is copied into pinned host staging buffers; an event marks the copy.
 //   2. (ThreadPool::global() or set_thread_pool's, chunked) each chunk waits for that event, then runs the vectorised
 //      CPU Adam kernel on the host fp32 master / exp_avg / exp_avg_sq, writing the new value into the pinned
-//      parameter staging buffer.
+//      parameter staging buffer (fp32 parameters: one task, torch's ops on the staged copy).
 //   3. (the worker finishing the last chunk) the staging buffer is copied back into the parameter on the copy stream
 //      and an event is recorded after the copy.
 //   The work of one parameter is one PendingUpdate (bmt/pending_update.h); waiting for it joins its pool work and
