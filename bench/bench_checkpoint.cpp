@@ -318,8 +318,8 @@ struct Bench {
     bmt::init_parameters(*model);
     for (const auto& item : model->named_parameters()) num_params += bmt::meta_of(item.value()).full_numel;
     for (const auto& q : model->parameters()) params.push_back(q);
-    optimizer = std::make_shared<bmt::optim::AdamOptimizer>(params, bmt::optim::AdamOptions(3e-4, {0.9, 0.95}, 1e-8,
-                                                                                             0.1));
+    optimizer = std::make_shared<bmt::optim::AdamOptimizer>(
+        params, bmt::optim::AdamOptions(3e-4, {0.9, 0.95}, 1e-8, 0.1).decoupled_weight_decay(true));
     manager = std::make_shared<bmt::optim::OptimManager>();
     manager->add_optimizer(optimizer);
     at::manual_seed(static_cast<uint64_t>(a.seed) + 1);

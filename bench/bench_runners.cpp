@@ -126,6 +126,7 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
                     3);
   }
   bmt::optim::AdamOptions opts(kLr, {kBeta1, kBeta2}, kEps, kWeightDecay);
+  opts.decoupled_weight_decay(true);  // AdamW, as the plain-LibTorch rows
   std::shared_ptr<bmt::optim::BmtOptimizer> optimizer;
   std::shared_ptr<bmt::optim::AdamOffloadOptimizer> offload;
   if (a.offload) {

@@ -128,9 +128,11 @@ def main():
     n_matmul = n_params - T * d
     if a.offload:
         opt = bmt.optim.AdamOffloadOptimizer(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                             async_step=True, grad_transfer_dtype=torch.bfloat16)
-    else:
-        opt = bmt.optim.AdamOptimizer(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+                                             async_step=True, grad_transfer_dtype=torch.bfloat16,
+                                             decoupled_weight_decay=True)
+    else:  # AdamW for every dtype (fp32 parameters default to BMTrain's L2 weight decay)
+        opt = bmt.optim.AdamOptimizer(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                      decoupled_weight_decay=True)
     manager = bmt.optim.OptimManager(loss_scale=None)
     manager.add_optimizer(opt)
     overlap = manager.overlap_offload_with_backward() if a.offload else None  # noqa: F841  (kept for the run)

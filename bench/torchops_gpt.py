@@ -156,7 +156,8 @@ def setup_bmtrain(a, shape, dtype):
 
     model = GPT(L, d, H, ff, T, stack)
     bmt.init_parameters(model)
-    adam = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    # AdamW, as the plain and fsdp2 rows (fp32 parameters default to BMTrain's L2 weight decay)
+    adam = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True)
     opt = (bmt.optim.AdamOffloadOptimizer if a.offload else bmt.optim.AdamOptimizer)(model.parameters(), **adam)
     manager = bmt.optim.OptimManager(loss_scale=None)
     manager.add_optimizer(opt)

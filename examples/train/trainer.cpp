@@ -49,6 +49,7 @@ std::shared_ptr<bmt::optim::AdamOptimizer> make_optimizer(LanguageModel& model, 
   std::vector<at::Tensor> decay, no_decay;
   for (const auto& p : model.parameters()) (bmt::meta_of(p).full_shape.size() >= 2 ? decay : no_decay).push_back(p);
   bmt::optim::AdamOptions defaults(lr, {0.9, 0.95}, 1e-8, weight_decay);
+  defaults.decoupled_weight_decay(true);  // AdamW for fp32 parameters too (half ones always decay decoupled)
   std::vector<bmt::optim::ParamGroupSpec> groups = {{decay, {{"weight_decay", weight_decay}}},
                                                     {no_decay, {{"weight_decay", 0.0}}}};
   return std::make_shared<bmt::optim::AdamOptimizer>(groups, defaults);

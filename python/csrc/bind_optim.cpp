@@ -31,6 +31,7 @@ std::vector<torch::optim::OptimizerParamGroup> make_groups(const py::list& group
       else if (key == "eps") o.eps(item.second.cast<double>());
       else if (key == "weight_decay") o.weight_decay(item.second.cast<double>());
       else if (key == "hold_steps") o.hold_steps(item.second.cast<int64_t>());
+      else if (key == "decoupled_weight_decay") o.decoupled_weight_decay(item.second.cast<bool>());
       // other keys (a group's name, ...) stay on the Python side
     }
     o.betas({b1, b2});
@@ -59,6 +60,7 @@ py::dict options_dict(const AdamOptions& o) {
   d["eps"] = o.eps();
   d["weight_decay"] = o.weight_decay();
   d["hold_steps"] = o.hold_steps();
+  d["decoupled_weight_decay"] = o.decoupled_weight_decay();
   return d;
 }
 
@@ -70,6 +72,8 @@ void set_option(AdamOptions& o, const std::string& key, py::handle value) {
   } else if (key == "eps") o.eps(value.cast<double>());
   else if (key == "weight_decay") o.weight_decay(value.cast<double>());
   else if (key == "hold_steps") o.hold_steps(value.cast<int64_t>());
+  else if (key == "decoupled_weight_decay") o.decoupled_weight_decay(value.cast<bool>());
+  else BMT_ERROR("optimizer: unknown option '", key, "'");
 }
 
 // A Python torch.optim optimizer (torch.optim.SGD, Adam, ...) as the engine's OptimManager sees it: one param group

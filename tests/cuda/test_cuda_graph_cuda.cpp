@@ -96,7 +96,7 @@ Trace train(const Variant& v, const bmt::StateDict& initial, const std::vector<i
   bmt::load_state_dict(*model, initial);
   std::vector<at::Tensor> params;
   for (const auto& item : model->named_parameters()) params.push_back(item.value());
-  auto adam = std::make_shared<bmt::optim::AdamOptimizer>(params, bmt::optim::AdamOptions(1e-3, {0.9, 0.95}, 1e-8, 0.1));
+  auto adam = std::make_shared<bmt::optim::AdamOptimizer>(params, bmt::optim::AdamOptions(1e-3, {0.9, 0.95}, 1e-8, 0.1).decoupled_weight_decay(true));
   bmt::optim::OptimManagerOptions mo;
   if (v.loss_scale > 0) mo.loss_scale = v.loss_scale;
   bmt::optim::OptimManager manager(mo);

@@ -177,6 +177,7 @@ at::Tensor tokens(int step) {
 bmt::optim::AdamOptions adam_options() {
   bmt::optim::AdamOptions o(1e-2);
   o.weight_decay(0.01);
+  o.decoupled_weight_decay(true);  // the reference is torch::optim::AdamW
   return o;
 }
 

@@ -1,9 +1,11 @@
-// Optimizers on CUDA parameters: AdamOptimizer (fused CUDA kernel) and AdamOffloadOptimizer (pinned staging, CPU
-// kernel, copy stream) must give bit-identical parameters to AdamOptimizer on CPU copies; the global inf/NaN
-// check must see CUDA gradients.
+// Optimizers on CUDA parameters: AdamOptimizer (fused CUDA kernel for half parameters, torch's foreach Adam for
+// fp32 ones) and AdamOffloadOptimizer (pinned staging, CPU update, copy stream) must give bit-identical
+// parameters to AdamOptimizer on CPU copies (fp32 on the GPU: torch's foreach sequence bit for bit, within float
+// rounding of the CPU's); the global inf/NaN check must see CUDA gradients.
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <cmath>
 #include <limits>
 
 #include "bmt/core/error.h"
@@ -60,9 +62,54 @@ TEST(CudaOptim, AdamAndOffloadOnGpuMatchCpuBitwise) {
     }
     torch::cuda::synchronize();
     for (size_t i = 0; i < cpu.size(); ++i) {
-      EXPECT_TRUE(at::equal(cpu[i], gpu[i].cpu())) << c10::toString(dt) << " AdamOptimizer param " << i;
+      // fp32: torch's CUDA foreach ops against its CPU single-tensor ones (e.g. CUDA's lerp contracts to an FMA).
+      if (dt == at::kFloat) EXPECT_LE(max_rel_err(gpu[i].cpu(), cpu[i]), 1e-6) << "AdamOptimizer param " << i;
+      else EXPECT_TRUE(at::equal(cpu[i], gpu[i].cpu())) << c10::toString(dt) << " AdamOptimizer param " << i;
       EXPECT_TRUE(at::equal(cpu[i], off[i].cpu())) << c10::toString(dt) << " AdamOffloadOptimizer param " << i;
       for (auto* v : {&cpu, &gpu, &off}) bmt::forget_param((*v)[i]);
+    }
+  }
+}
+
+// fp32 parameters on the GPU: torch.optim.Adam's default there (its foreach path, torch/optim/adam.py
+// _multi_tensor_adam) transcribed op by op, L2 and decoupled weight decay, loss scale, hold_steps: bit for bit.
+// (tests/python/test_adam_torch.py with BMT_TEST_DEVICE=cuda compares with torch itself.)
+TEST(CudaOptim, Fp32OnGpuEqualsTorchForeachAdamBitwise) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const double lr = 1e-2, b1 = 0.8, b2 = 0.99, eps = 1e-6, wd = 0.05;
+  for (bool decoupled : {false, true}) {
+    auto ours = to_cuda(make_params(kShapes, at::kFloat, 57));
+    std::vector<at::Tensor> p, m, v;
+    for (const auto& t : ours) {
+      p.push_back(t.detach().clone());
+      m.push_back(at::zeros_like(p.back()));
+      v.push_back(at::zeros_like(p.back()));
+    }
+    AdamOptimizer opt(ours, AdamOptions(lr, {b1, b2}, eps, wd).hold_steps(2).decoupled_weight_decay(decoupled));
+    for (int step = 1; step <= 20; ++step) {
+      std::vector<at::Tensor> g;
+      for (size_t i = 0; i < ours.size(); ++i) {
+        g.push_back(at::randn(ours[i].sizes()).to(at::kCUDA));
+        ours[i].mutable_grad() = g.back() * 4;  // loss scale 4: exact
+      }
+      opt.step(4.0);
+      const double lr_now = step <= 2 ? 0.0 : lr;
+      if (decoupled) at::_foreach_mul_(p, 1 - lr_now * wd);
+      else g = at::_foreach_add(g, p, wd);
+      at::_foreach_lerp_(m, g, 1 - b1);
+      at::_foreach_mul_(v, b2);
+      at::_foreach_addcmul_(v, g, g, 1 - b2);
+      std::vector<at::Scalar> step_size, bc2_sqrt;
+      for (size_t i = 0; i < p.size(); ++i) {
+        step_size.push_back(-(lr_now / (1 - std::pow(b1, static_cast<double>(step)))));
+        bc2_sqrt.push_back(std::pow(1 - std::pow(b2, static_cast<double>(step)), 0.5));
+      }
+      auto denom = at::_foreach_sqrt(v);
+      at::_foreach_div_(denom, bc2_sqrt);
+      at::_foreach_add_(denom, eps);
+      at::_foreach_addcdiv_(p, m, denom, step_size);
+      for (size_t i = 0; i < p.size(); ++i)
+        ASSERT_TRUE(at::equal(ours[i], p[i])) << "decoupled " << decoupled << " step " << step << " param " << i;
     }
   }
 }

@@ -145,6 +145,7 @@ inline Trace run_ours(const Case& c, const Variant& v, const bmt::StateDict& ini
   bmt::load_state_dict(*model, initial);
   std::vector<at::Tensor> params = model->parameters();
   bmt::optim::AdamOptions opts(c.lr, {c.beta1, c.beta2}, c.eps, c.weight_decay);
+  opts.decoupled_weight_decay(true);  // the reference's AdamW
   std::shared_ptr<bmt::optim::BmtOptimizer> optimizer;
   if (v.offload) optimizer = std::make_shared<bmt::optim::AdamOffloadOptimizer>(params, opts);
   else optimizer = std::make_shared<bmt::optim::AdamOptimizer>(params, opts);

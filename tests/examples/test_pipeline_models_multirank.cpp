@@ -49,6 +49,7 @@ bmt::optim::StateDict train_impl(const examples::ModelConfig& c) {
   auto model = examples::make_model(c, {3, false}, at::kFloat);
   bmt::init_parameters_by_name(*model, 17);  // the same values at every pipe size
   bmt::optim::AdamOptions adam(1e-3, {0.9, 0.95}, 1e-8, 0.1);
+  adam.decoupled_weight_decay(true);
   bmt::optim::OptimManager optim;
   optim.add_optimizer(std::make_shared<bmt::optim::AdamOptimizer>(model->parameters(), adam));
   std::vector<double> losses;

@@ -107,6 +107,7 @@ bmt::optim::StateDict train_and_record(const examples::ModelConfig& c,
   // lr 1e-3: Adam divides by sqrt(v), so elements with gradients near eps turn fp32 summation-order differences
   // (~1e-7 relative in the gradients) into larger update differences; at 1e-3 they stay below ~3e-6.
   bmt::optim::AdamOptions adam(1e-3, {0.9, 0.95}, 1e-8, 0.1);
+  adam.decoupled_weight_decay(true);
   auto optimizer = std::make_shared<bmt::optim::AdamOptimizer>(model->parameters(), adam);
   bmt::optim::OptimManagerOptions om;
   om.grad_scale = dp;  // gradients are summed over the data-parallel group only

@@ -3,8 +3,11 @@ zero_grad, state_dict / load_state_dict in BMTrain's layout) whose step runs the
 (python/csrc/bind_optim.cpp over src/bmt/optim/): the Python param groups hold the options (torch's and
 bmt.lr_scheduler's schedulers write them there) and are handed to the engine before every update.
 
-Updates are AdamW-style (decoupled weight decay) for every dtype, with fp32 master weights and moments for
-half-precision parameters; with weight_decay=0 the update equals torch.optim.Adam. The gradient of each parameter
+fp32 parameters are updated as BMTrain does, by torch.optim.Adam's own op sequence: bit-identical to
+torch.optim.Adam(lr, betas, eps, weight_decay) (L2 weight decay), or with decoupled_weight_decay=True to
+torch.optim.AdamW. Half-precision parameters use the fused kernel with decoupled weight decay and fp32 master weights
+and moments (BMTrain's). hold_steps holds BMTrain's count of updates at lr 0 (fp32: hold_steps, half: hold_steps - 1).
+The gradient of each parameter
 is bmt.main_grad(p): a Block's gradient shard (in the parameter's dtype by default, so also `p.grad`; fp32 with
 reduce_dtype=torch.float32), the engine's fp32 shard outside Blocks, else `p.grad` (plain torch parameters).
 """
@@ -75,11 +78,15 @@ class _BmtOptimizer(torch.optim.Optimizer):
     _engine_class = None
     _offload = False
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, hold_steps=0):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, hold_steps=0,
+                 decoupled_weight_decay=False):
         _check_args(lr, betas, eps, weight_decay)
         self.__dict__["_c"] = None
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._hold_steps = hold_steps
+        # Like hold_steps, an optimizer attribute: the param groups (and state_dict) keep BMTrain's keys. A group
+        # dict given with its own "decoupled_weight_decay" key overrides it for that group.
+        self._decoupled_weight_decay = bool(decoupled_weight_decay)
         self._c = self._engine_class([(g["params"], self._engine_options(g)) for g in self.param_groups],
                                      float(lr), (float(betas[0]), float(betas[1])), float(eps), float(weight_decay),
                                      int(hold_steps))
@@ -96,9 +103,13 @@ class _BmtOptimizer(torch.optim.Optimizer):
         if len(value) != 0:
             raise RuntimeError(f"{type(self).__name__}.state belongs to the engine; use load_state_dict() to set it")
 
+    def _decoupled(self, group):
+        return bool(group.get("decoupled_weight_decay", self.__dict__.get("_decoupled_weight_decay", False)))
+
     def _engine_options(self, group):
         opts = {k: group[k] for k in _OPTION_KEYS}
         opts["hold_steps"] = self.__dict__.get("_hold_steps", 0)
+        opts["decoupled_weight_decay"] = self._decoupled(group)
         return opts
 
     def _push_options(self):
@@ -109,6 +120,7 @@ class _BmtOptimizer(torch.optim.Optimizer):
             cur = self._c.group_options(i)
             for k, v in (("lr", float(g["lr"])), ("betas", (float(betas[0]), float(betas[1]))),
                          ("eps", float(g["eps"])), ("weight_decay", float(g["weight_decay"])),
+                         ("decoupled_weight_decay", self._decoupled(g)),
                          ("hold_steps", int(self._hold_steps))):
                 if cur[k] != v:
                     self._c.set_group_option(i, k, v)
@@ -250,8 +262,10 @@ class _BmtOptimizer(torch.optim.Optimizer):
 
 
 class AdamOptimizer(_BmtOptimizer):
-    """BMTrain's AdamOptimizer(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, hold_steps=0):
-    fused Adam on the parameters' device (the state beside the shards)."""
+    """BMTrain's AdamOptimizer(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, hold_steps=0), state
+    on the parameters' device (beside the shards). fp32 parameters: torch.optim.Adam's update bit for bit (L2 weight
+    decay); decoupled_weight_decay=True (ours, torch's keyword): torch.optim.AdamW's. Half-precision parameters:
+    the fused kernel, decoupled weight decay (BMTrain's)."""
     _engine_class = _C.AdamOptimizer
 
 
@@ -265,11 +279,11 @@ class AdamOffloadOptimizer(_BmtOptimizer):
     _offload = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, hold_steps=0,
-                 record_delta=False, *, async_step=False, grad_transfer_dtype=None):
+                 record_delta=False, *, async_step=False, grad_transfer_dtype=None, decoupled_weight_decay=False):
         if record_delta:
             raise NotImplementedError("AdamOffloadOptimizer(record_delta=True): update statistics are not "
                                       "available in bmtrain")
-        super().__init__(params, lr, betas, eps, weight_decay, hold_steps)
+        super().__init__(params, lr, betas, eps, weight_decay, hold_steps, decoupled_weight_decay)
         self.record_delta = False
         if async_step:
             self._c.set_async_step(True)

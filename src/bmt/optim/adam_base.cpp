@@ -47,9 +47,12 @@ std::vector<torch::optim::OptimizerParamGroup> make_param_groups(const std::vect
       else if (key == "beta2") b2 = value;
       else if (key == "eps") opts->eps(value);
       else if (key == "weight_decay") opts->weight_decay(value);
-      else
+      else if (key == "decoupled_weight_decay") {
+        BMT_CHECK(value == 0 || value == 1, "param group ", g, ": decoupled_weight_decay must be 0 or 1, got ", value);
+        opts->decoupled_weight_decay(value == 1);
+      } else
         BMT_ERROR("param group ", g, ": unknown option '", key,
-                  "' (Adam param groups accept lr, beta1, beta2, eps, weight_decay)");
+                  "' (Adam param groups accept lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay)");
     }
     opts->betas({b1, b2});
     groups.emplace_back(specs[g].params, std::move(opts));
@@ -136,10 +139,16 @@ core::kernels::AdamTensorArgs AdamBase::kernel_args(void* param_data, const at::
   a.numel = param.numel();
   a.param_dtype = to_core_dtype(param.scalar_type());
   a.grad_dtype = to_core_dtype(grad.scalar_type());
-  const double lr = s.step <= o.hold_steps() ? 0.0 : o.lr();
-  core::kernels::adam_step_scalars(a, lr, std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
+  core::kernels::adam_step_scalars(a, effective_lr(param, s, o), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(),
                                    o.weight_decay(), s.step);
   return a;
+}
+
+double AdamBase::effective_lr(const at::Tensor& p, const AdamState& s, const AdamOptions& o) {
+  // s.step counts this update. BMTrain holds fp32 updates while the count before it is < hold_steps, half ones
+  // while the count after it is < hold_steps (one fewer).
+  const bool held = p.scalar_type() == at::kFloat ? s.step - 1 < o.hold_steps() : s.step < o.hold_steps();
+  return held ? 0.0 : o.lr();
 }
 
 StateDict AdamBase::state_dict() const { return state_dict_impl(/*copy=*/true); }
@@ -200,8 +209,11 @@ void AdamBase::load_state_dict(const StateDict& sd) {
   // Everything checked: apply.
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     std::string k = core::concat("group.", g, ".");
-    AdamOptions o(get_double(sd, k + "lr", what), {get_double(sd, k + "beta1", what), get_double(sd, k + "beta2", what)},
-                  get_double(sd, k + "eps", what), get_double(sd, k + "weight_decay", what));
+    AdamOptions o = group_options(g);  // keeps hold_steps and decoupled_weight_decay (not in the state dict)
+    o.lr(get_double(sd, k + "lr", what));
+    o.betas({get_double(sd, k + "beta1", what), get_double(sd, k + "beta2", what)});
+    o.eps(get_double(sd, k + "eps", what));
+    o.weight_decay(get_double(sd, k + "weight_decay", what));
     o.validate(core::concat("load_state_dict: param group ", g));
     static_cast<AdamOptions&>(param_groups_[g].options()) = o;
   }

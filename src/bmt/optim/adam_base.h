@@ -5,6 +5,8 @@
 //    bmt::core::Error at construction, add_param_group time is checked at the next step); options of another
 //    optimizer type (e.g. torch::optim::AdamWOptions) are rejected.
 //  * Parameters are float32, float16 or bfloat16, contiguous, and appear in one group only.
+//  * fp32 parameters are updated by torch.optim.Adam's own op sequence (torch_adam.h: bit-identical to it), half-
+//    precision ones by the fused kernels (core/kernels/adam.h, decoupled weight decay).
 //  * State per parameter (created at its first update): step (updates applied), exp_avg and exp_avg_sq (fp32,
 //    unscaled), master (fp32 copy of a half-precision parameter; undefined for fp32 parameters, which are updated
 //    in place). AdamOptimizer keeps the state on the parameter's device, AdamOffloadOptimizer in host memory.
@@ -13,6 +15,7 @@
 //      param.<i>.shape                                 int64[dim]    (local shard shape, checked on load)
 //      group.<g>.{lr,beta1,beta2,eps,weight_decay}     float64
 //      group.<g>.num_params                            int64
+//    (hold_steps and decoupled_weight_decay are construction options: not saved, kept on load)
 //      state.<i>.step                                  int64         (only for parameters with state)
 //      state.<i>.{exp_avg,exp_avg_sq}                  float32[shape]
 //      state.<i>.master                                float32[shape] (half-precision parameters)
@@ -39,8 +42,13 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
   TORCH_ARG(betas_t, betas);
   TORCH_ARG(double, eps);
   TORCH_ARG(double, weight_decay);
-  // BMTrain's hold_steps: the first hold_steps updates of each parameter use lr 0 (the moments still advance).
+  // BMTrain's hold_steps: updates held at lr 0 (the moments still advance): the first hold_steps updates of an
+  // fp32 parameter, the first hold_steps - 1 of a half-precision one (BMTrain counts the step first there).
   TORCH_ARG(int64_t, hold_steps) = 0;
+  // fp32 parameters: false (default, torch.optim.Adam's and BMTrain's) adds weight_decay * p to the gradient (L2);
+  // true decays the parameter by (1 - lr * weight_decay) first, as torch's Adam(decoupled_weight_decay=True) /
+  // AdamW. Half-precision parameters always use decoupled decay (BMTrain's fused kernel).
+  TORCH_ARG(bool, decoupled_weight_decay) = false;
 
  public:
   double get_lr() const override { return lr(); }
@@ -50,7 +58,8 @@ struct AdamOptions : public torch::optim::OptimizerCloneableOptions<AdamOptions>
 };
 
 // A param group with options by name, for callers that build groups from configuration files.
-// Known keys: lr, beta1, beta2, eps, weight_decay; any other key is an error. Missing keys take the defaults.
+// Known keys: lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay (0 or 1); any other key is an error.
+// Missing keys take the defaults.
 struct ParamGroupSpec {
   std::vector<at::Tensor> params;
   std::map<std::string, double> options;
@@ -92,6 +101,8 @@ class AdamBase : public BmtOptimizer {
   AdamState& state_for(const at::Tensor& p);
   // Re-validates group options and parameters (param groups may have been added since construction).
   void validate_groups() const;
+  // The lr of update number s.step of p: 0 while hold_steps holds it (BMTrain's count for p's dtype).
+  static double effective_lr(const at::Tensor& p, const AdamState& s, const AdamOptions& o);
   // Kernel arguments for one update of a parameter (`param_data` is the buffer the kernel writes, in the
   // parameter's dtype), with the scalars of update number s.step.
   static core::kernels::AdamTensorArgs kernel_args(void* param_data, const at::Tensor& param, const at::Tensor& grad,

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "bmt/core/error.h"
+#include "bmt/optim/torch_adam.h"
 #include "bmt/params/parameter.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
@@ -114,6 +115,19 @@ void AdamOffloadOptimizer::submit_chunks(PendingUpdate& update, const AdamTensor
   }
 }
 
+void AdamOffloadOptimizer::submit_fp32(PendingUpdate& update, const at::Tensor& param_data, const at::Tensor& grad,
+                                       const AdamState& s, const AdamOptions& o, double lr, double loss_scale,
+                                       std::function<void()> before, std::function<void()> after) {
+  detail::TorchAdamScalars sc{lr, std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                              o.decoupled_weight_decay(), loss_scale};
+  update.run([param_data, grad, m = s.exp_avg, v = s.exp_avg_sq, step = s.step, sc, before = std::move(before),
+              after = std::move(after)] {
+    if (before) before();
+    detail::torch_adam_single(param_data, grad, m, v, step, sc);
+    if (after) after();
+  });
+}
+
 std::exception_ptr AdamOffloadOptimizer::finish(InFlight& f) {
   try {
     // A registered update: wait and drop the registration (a no-op when a Block already did). Then every update
@@ -140,7 +154,7 @@ std::exception_ptr AdamOffloadOptimizer::finish_where(const std::function<bool(c
   return first;
 }
 
-void AdamOffloadOptimizer::start_one(const at::Tensor& p, const AdamOptions& o, float inv_scale) {
+void AdamOffloadOptimizer::start_one(const at::Tensor& p, const AdamOptions& o, double loss_scale) {
   BMT_CHECK(started_.count(p.unsafeGetTensorImpl()) == 0, "AdamOffloadOptimizer: a parameter of shape ", p.sizes(),
             " was already started in this iteration; call step() or zero_grad() to end the iteration first");
   at::Tensor grad = usable_grad(p);
@@ -160,12 +174,14 @@ void AdamOffloadOptimizer::start_one(const at::Tensor& p, const AdamOptions& o, 
   flight.param = p;
   flight.update = update;
   flight.keep_alive = {grad, p};
-  if (p.is_cpu()) {
+  if (p.is_cpu() && p.scalar_type() == at::kFloat) {
+    submit_fp32(*update, p.detach(), grad, s, o, effective_lr(p, s, o), loss_scale, nullptr, nullptr);
+  } else if (p.is_cpu()) {
     AdamTensorArgs a = kernel_args(p.data_ptr(), p, grad, s, o);
     core::kernels::adam_check_args(a, "parameter");
-    submit_chunks(*update, a, inv_scale, nullptr, nullptr);
+    submit_chunks(*update, a, static_cast<float>(1.0 / loss_scale), nullptr, nullptr);
   } else {
-    start_on_device(p, grad, s, o, inv_scale, *update);
+    start_on_device(p, grad, s, o, loss_scale, *update);
   }
   // Asynchronous step: a Block parameter's update may outlive step(); the Block waits for it before gathering.
   // Registered once every task is queued, so a registered update is complete once its tasks are.
@@ -176,7 +192,7 @@ void AdamOffloadOptimizer::start_one(const at::Tensor& p, const AdamOptions& o, 
 }
 
 void AdamOffloadOptimizer::start_on_device(const at::Tensor& p, at::Tensor grad, AdamState& s, const AdamOptions& o,
-                                           float inv_scale, PendingUpdate& update) {
+                                           double loss_scale, PendingUpdate& update) {
 #ifdef BMT_WITH_CUDA
   BMT_CHECK(p.is_cuda(), "AdamOffloadOptimizer: parameters on ", p.device(), " are not supported (CPU or CUDA)");
   const c10::DeviceIndex device = p.device().index();
@@ -204,22 +220,26 @@ void AdamOffloadOptimizer::start_on_device(const at::Tensor& p, at::Tensor grad,
     st->d2h_done.record(copy);
   }
   copies_queued_ = true;
-  AdamTensorArgs a = kernel_args(st->param_host.data_ptr(), p, st->grad_host, s, o);
-  core::kernels::adam_check_args(a, "parameter");
   // The storage p points at now: a Block re-points p (set_data) while it runs, the copy back must reach the shard.
   at::Tensor target = p.detach();
   PendingUpdate* done = &update;  // outlives its tasks (its destructor waits for them)
-  submit_chunks(
-      update, a, inv_scale, [st] { st->d2h_done.synchronize(); },
-      [st, target, device, copy, done] {
-        at::NoGradGuard no_grad;
-        c10::cuda::CUDAGuard guard(device);
-        c10::cuda::CUDAStreamGuard on_copy(copy);
-        target.copy_(st->param_host, /*non_blocking=*/true);
-        done->record_copy_back(copy.unwrap());
-      });
+  auto before = [st] { st->d2h_done.synchronize(); };
+  auto after = [st, target, device, copy, done] {
+    at::NoGradGuard no_grad;
+    c10::cuda::CUDAGuard guard(device);
+    c10::cuda::CUDAStreamGuard on_copy(copy);
+    target.copy_(st->param_host, /*non_blocking=*/true);
+    done->record_copy_back(copy.unwrap());
+  };
+  if (p.scalar_type() == at::kFloat) {
+    submit_fp32(update, st->param_host, st->grad_host, s, o, effective_lr(p, s, o), loss_scale, before, after);
+    return;
+  }
+  AdamTensorArgs a = kernel_args(st->param_host.data_ptr(), p, st->grad_host, s, o);
+  core::kernels::adam_check_args(a, "parameter");
+  submit_chunks(update, a, static_cast<float>(1.0 / loss_scale), before, after);
 #else
-  (void)grad, (void)s, (void)o, (void)inv_scale, (void)update;
+  (void)grad, (void)s, (void)o, (void)loss_scale, (void)update;
   BMT_ERROR("AdamOffloadOptimizer: parameters on ", p.device(),
             " need a bmtrain build with CUDA (BMT_WITH_CUDA); this build handles CPU parameters only");
 #endif
@@ -252,11 +272,10 @@ void AdamOffloadOptimizer::step_params(const std::vector<size_t>& flat_indices, 
   for (size_t g = 0; g < param_groups_.size(); ++g)
     for (size_t i = 0; i < param_groups_[g].params().size(); ++i) where.emplace_back(g, i);
   at::NoGradGuard no_grad;
-  const float inv_scale = static_cast<float>(1.0 / loss_scale);
   for (size_t idx : flat_indices) {
     BMT_CHECK(idx < where.size(), "step_params: flat index ", idx, " out of range (", where.size(), " parameters)");
     auto [g, i] = where[idx];
-    start_one(param_groups_[g].params()[i], group_options(g), inv_scale);
+    start_one(param_groups_[g].params()[i], group_options(g), loss_scale);
   }
 }
 

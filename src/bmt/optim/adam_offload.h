@@ -1,13 +1,14 @@
-// AdamOffloadOptimizer: Adam (AdamW) with its state in host memory and the update on the CPU, for parameters that
-// live on a GPU (or on the CPU). Same update, options, state dict and results as AdamOptimizer (the same CPU kernel
-// runs, so on CPU parameters both are bit-identical).
+// AdamOffloadOptimizer: Adam with its state in host memory and the update on the CPU, for parameters that live on
+// a GPU (or on the CPU). Same update, options, state dict and results as AdamOptimizer on the CPU (the same code
+// runs, so on CPU parameters both are bit-identical): half-precision parameters by the fused kernel (decoupled
+// weight decay), fp32 ones by torch.optim.Adam's single-tensor op sequence (torch_adam.h) in one pool task each.
 //
 // Per parameter of a CUDA build with a CUDA parameter, one step is a pipeline:
 //   1. (caller thread) the copy stream waits for the current stream; the gradient (and, for fp32 parameters, the
 //      parameter) is copied into pinned host staging buffers; an event marks the copy.
 //   2. (ThreadPool::global() or set_thread_pool's, chunked) each chunk waits for that event, then runs the vectorised
 //      CPU Adam kernel on the host fp32 master / exp_avg / exp_avg_sq, writing the new value into the pinned
-//      parameter staging buffer.
+//      parameter staging buffer (fp32 parameters: one task, torch's ops on the staged copy).
 //   3. (the worker finishing the last chunk) the staging buffer is copied back into the parameter on the copy stream
 //      and an event is recorded after the copy.
 //   The work of one parameter is one PendingUpdate (bmt/pending_update.h); waiting for it joins its pool work and
@@ -96,13 +97,18 @@ class AdamOffloadOptimizer : public AdamBase {
     std::vector<at::Tensor> keep_alive;  // gradient (and parameter) read by its tasks
     bool registered = false;             // the parameter's pending update (asynchronous step, Block parameter)
   };
-  void start_one(const at::Tensor& p, const AdamOptions& o, float inv_scale);
-  void start_on_device(const at::Tensor& p, at::Tensor grad, AdamState& s, const AdamOptions& o, float inv_scale,
+  void start_one(const at::Tensor& p, const AdamOptions& o, double loss_scale);
+  void start_on_device(const at::Tensor& p, at::Tensor grad, AdamState& s, const AdamOptions& o, double loss_scale,
                        PendingUpdate& update);
   // Waits for one in-flight update; returns its error instead of throwing.
   static std::exception_ptr finish(InFlight& f);
   void submit_chunks(PendingUpdate& update, const core::kernels::AdamTensorArgs& args, float inv_scale,
                      std::function<void()> before, std::function<void()> after);
+  // The update of an fp32 parameter whose host values are `param_data`: torch.optim.Adam's single-tensor sequence
+  // (torch_adam.h, as AdamOptimizer on the CPU), one task (splitting the tensor could change float results).
+  void submit_fp32(PendingUpdate& update, const at::Tensor& param_data, const at::Tensor& grad, const AdamState& s,
+                   const AdamOptions& o, double lr, double loss_scale, std::function<void()> before,
+                   std::function<void()> after);
   // Waits for (and forgets) the in-flight updates `which` selects; returns the first error instead of throwing.
   std::exception_ptr finish_where(const std::function<bool(const InFlight&)>& which);
   void end_iteration();

@@ -24,10 +24,10 @@ def _ref_loss(ref, seed):
     return sum(_loss(ref(rank_input(r, B, D, seed=seed))) for r in range(world())) / world()
 
 
-def _compare_trajectory(opt_cls, ref_cls, wd, steps=4, lr=1e-2):
+def _compare_trajectory(opt_cls, ref_cls, wd, steps=4, lr=1e-2, decoupled=False):
     T, M = make(TORCH), make(BMT)
     model, ref = M.Net(D, 2, 11), T.Net(D, 2, 11)
-    opt = opt_cls(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=wd)
+    opt = opt_cls(model.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=wd, decoupled_weight_decay=decoupled)
     om = bmt.optim.OptimManager(loss_scale=1024)
     om.add_optimizer(opt)
     ref_opt = ref_cls(ref.parameters(), lr=lr, betas=BETAS, eps=EPS, weight_decay=wd)
@@ -46,13 +46,15 @@ def _compare_trajectory(opt_cls, ref_cls, wd, steps=4, lr=1e-2):
 @case
 def adam_vs_torch():
     _compare_trajectory(bmt.optim.AdamOptimizer, torch.optim.Adam, 0.0)
-    _compare_trajectory(bmt.optim.AdamOptimizer, torch.optim.AdamW, 0.05)
+    _compare_trajectory(bmt.optim.AdamOptimizer, torch.optim.Adam, 0.05)  # L2 weight decay, as BMTrain's fp32
+    _compare_trajectory(bmt.optim.AdamOptimizer, torch.optim.AdamW, 0.05, decoupled=True)
 
 
 @case
 def adam_offload_vs_torch():
     _compare_trajectory(bmt.optim.AdamOffloadOptimizer, torch.optim.Adam, 0.0)
-    _compare_trajectory(bmt.optim.AdamOffloadOptimizer, torch.optim.AdamW, 0.05)
+    _compare_trajectory(bmt.optim.AdamOffloadOptimizer, torch.optim.Adam, 0.05)
+    _compare_trajectory(bmt.optim.AdamOffloadOptimizer, torch.optim.AdamW, 0.05, decoupled=True)
 
 
 @case
