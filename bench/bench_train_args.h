@@ -15,6 +15,7 @@ struct Args {
   int64_t seq = 0, batch = 0;
   int64_t steps = 10, warmup = 3;
   bool checkpointing = false, offload = false, raw_step = false, force = false, no_overlap = false;
+  bool fp8 = false;  // --fp8: FP8 GEMMs in the transformer layers' linears (examples::ParallelOptions::fp8)
   int zero = 3;
   int tp = 1;
   int pp = 1;             // --pp N: pipeline stages (gpt)

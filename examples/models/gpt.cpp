@@ -3,6 +3,7 @@
 #include "bmt/engine/block.h"
 #include "bmt/core/error.h"
 #include "bmt/runtime/init.h"
+#include "bmt/nn/fp8_linear.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/params/parameter.h"
 #include "bmt/pipeline/pipeline.h"
@@ -39,8 +40,10 @@ at::Tensor GptAttentionImpl::forward(const at::Tensor& x, const at::Tensor& shap
   at::Tensor y =
       bmt::nn::causal_attention(split_heads(qkv[0], heads), split_heads(qkv[1], heads), split_heads(qkv[2], heads));
   const at::Tensor rows = batch_to_rows(merge_heads(y), shape);
-  if (bmt::nn::Linear proj = c_proj.dense())
+  if (bmt::nn::Linear proj = c_proj.dense()) {
+    if (proj->fp8) return residual + proj->forward(rows);  // (FP8: no residual epilogue in this version)
     return bmt::nn::linear_residual(rows, bmt::gathered(proj->weight), bmt::gathered(proj->bias), residual);
+  }
   return residual + c_proj.forward(rows);  // (row-parallel: the add follows the reduction over tp)
 }
 
@@ -51,6 +54,8 @@ GptMlpImpl::GptMlpImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn
 
 at::Tensor GptMlpImpl::forward(const at::Tensor& x, const at::Tensor& residual) {
   bmt::nn::Linear fc = c_fc.dense(), proj = c_proj.dense();
+  if (fc && proj && (fc->fp8 || proj->fp8))  // FP8 GEMMs, GELU and the residual add separate (no epilogues yet)
+    return residual + proj->forward(at::gelu(fc->forward(x), "tanh"));
   if (fc && proj)
     return bmt::nn::gelu_mlp(x, bmt::gathered(fc->weight), bmt::gathered(fc->bias), bmt::gathered(proj->weight),
                              bmt::gathered(proj->bias), residual);
@@ -86,6 +91,13 @@ Gpt::Gpt(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarT
   auto make_layer = [&](int64_t i) {
     bmt::nn::TpScope scope = tp.scope("layers." + std::to_string(i));
     GptLayer layer(config_, dtype, scope);
+    if (parallel.fp8) {
+      for (const bmt::nn::PlannedLinear* l : {&layer->attn->c_attn, &layer->attn->c_proj, &layer->mlp->c_fc,
+                                              &layer->mlp->c_proj}) {
+        BMT_CHECK(l->dense(), "Gpt: FP8 linears need tensor-parallel size 1 (", l->name(), " is split over tp)");
+        l->dense()->fp8 = true;
+      }
+    }
     scope.finish(*layer);  // LayerNorms and row-parallel biases replicated, before the Block packs them
     return bmt::make_block(layer.ptr(), block_options);
   };

@@ -58,6 +58,9 @@ struct ParallelOptions {
       : zero_level(zero), checkpointing(checkpoint), tp_plan(std::move(plan)) {}
   int zero_level = 3;          // 2 or 3, for every Block
   bool checkpointing = false;  // recompute each layer's forward in backward
+  // FP8 GEMMs in every transformer layer's linears (nn::Linear::fp8; gpt at tp_size 1 only for now): q/k/v, the
+  // attention output and the MLP. Embeddings and the LM head stay in the parameter dtype.
+  bool fp8 = false;
   // The tensor-parallel layout; unset: the architecture's plan (gpt_tp_plan / llama_tp_plan) with
   // bmt::config().sequence_parallel. Ignored at tp_size 1 except for its validation.
   std::optional<bmt::nn::TpPlan> tp_plan;

@@ -25,6 +25,7 @@ struct TrainArgs {
   int micro_batches = 0;             // pipeline micro-batches per step (0: 2 x pp)
   std::string pp_schedule = "1f1b";  // 1f1b | gpipe
   bool checkpointing = false;
+  bool fp8 = false;                  // --fp8: FP8 GEMMs in the transformer layers (ParallelOptions::fp8)
   bool cuda_graphs = false;          // --cuda-graphs: forward + backward replayed as one CUDA graph (bmt::CudaGraphStep)
   bool no_cuda_graphs = false;       // --no-cuda-graphs: eager even where graphs are the default
   int64_t eval_every = -1, eval_batches = 4, task_rows = 256;

@@ -10,6 +10,7 @@
 #include "bmt/runtime/memory_stats.h"
 #include "bmt/loss/fused_cross_entropy.h"
 #include "bmt/nn/attention.h"
+#include "bmt/nn/fp8_linear.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/layers.h"

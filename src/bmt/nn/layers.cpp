@@ -1,6 +1,7 @@
 #include "bmt/nn/layers.h"
 
 #include "bmt/core/error.h"
+#include "bmt/nn/fp8_linear.h"
 #include "bmt/nn/fused_reductions.h"
 
 namespace bmt::nn {
@@ -13,7 +14,8 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, at::ScalarType d
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
-  return nn::linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor());
+  const at::Tensor b = bias.defined() ? gathered(bias) : at::Tensor();
+  return fp8 ? fp8_linear(x, gathered(weight), b, fp8_grad_format()) : nn::linear(x, gathered(weight), b);
 }
 
 LayerNormImpl::LayerNormImpl(int64_t d, double e, at::ScalarType dtype, bool with_bias) : dim(d), eps(e) {

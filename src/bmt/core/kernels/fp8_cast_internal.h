@@ -1,0 +1,50 @@
+// FP8 scaling and casting for FP8 GEMMs (per-tensor, dynamic). Torch-free.
+//
+//   amax  = max |x| over the tensor                          (NaN anywhere: amax is NaN; else inf if any inf)
+//   scale = fp8_max / amax, inv_scale = 1 / scale            (amax 0: both 1; amax not finite: both NaN)
+//   q     = fp8(saturate(x * scale))                         (round to nearest even, finite values clamped to
+//                                                             +-fp8_max; NaN stays NaN)
+// The three statistics live in one float[3] in device memory {amax, scale, inv_scale}: the host never reads them,
+// so no step synchronises and CUDA graphs can capture the casts. A non-finite amax gives NaN scales on purpose:
+// every product of that GEMM is NaN, the loss or gradients are non-finite and the step's inf/NaN check skips it.
+//
+// The cast writes the row-major copy q[r, c], the transposed copy qt[c, r], or both in one pass over x (the
+// backward GEMMs need column-major operands). Bytes are the OCP FP8 encodings of torch's float8_e4m3fn (max 448,
+// no inf) and float8_e5m2 (max 57344). Invariants: both variants give bit-identical bytes and statistics (the CUDA
+// reduction is a max, independent of order); 64-bit indexing.
+#pragma once
+
+#include <cstdint>
+
+#include "bmt/core/dtype.h"
+
+namespace bmt::core::kernels {
+
+enum class Fp8Format : int8_t { kE4M3 = 0, kE5M2 = 1 };
+
+// Largest finite value: 448 (E4M3) or 57344 (E5M2).
+float fp8_max(Fp8Format format);
+const char* fp8_format_name(Fp8Format format);
+// One value's encoding (saturating, round to nearest even) and decoding: the CPU twin's element ops, for tests.
+uint8_t float_to_fp8(float x, Fp8Format format);
+float fp8_to_float(uint8_t bits, Fp8Format format);
+
+// Where the statistics live in the float[3].
+constexpr int kFp8Amax = 0, kFp8Scale = 1, kFp8InvScale = 2;
+
+// stats[0..2] = {amax, scale, inv_scale} of x (numel elements of fp32 / bf16 / fp16).
+void fp8_scale_cpu(const void* x, DType dtype, int64_t numel, Fp8Format format, float* stats);
+// q (rows x cols) and / or qt (cols x rows) from x (rows x cols, row-major) with stats[kFp8Scale]; either output
+// may be null.
+void fp8_cast_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, const float* stats, Fp8Format format,
+                  uint8_t* q, uint8_t* qt);
+
+// Device memory (builds with BMT_WITH_CUDA); `stats` is device memory. `workspace`: fp8_scale_workspace_numel
+// uint32 words (one per block of the first reduction stage).
+int64_t fp8_scale_workspace_numel(int64_t numel);
+void fp8_scale_cuda(const void* x, DType dtype, int64_t numel, Fp8Format format, float* stats, uint32_t* workspace,
+                    void* stream);
+void fp8_cast_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, const float* stats, Fp8Format format,
+                   uint8_t* q, uint8_t* qt, void* stream);
+
+}  // namespace bmt::core::kernels

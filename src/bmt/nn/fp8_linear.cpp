@@ -1,0 +1,171 @@
+#include "bmt/nn/fp8_linear.h"
+
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "bmt/core/error.h"
+#include "bmt/core/kernels/fp8_cast_internal.h"
+#include "bmt/nn/fused_reductions.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
+
+#ifdef BMT_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace bmt::nn {
+namespace {
+
+namespace k = core::kernels;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::atomic<int> g_grad_format{-1};  // -1: not yet read from BMT_FP8_GRAD
+
+k::Fp8Format core_format(Fp8Format f) { return f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2; }
+
+at::ScalarType fp8_dtype(Fp8Format f) { return f == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2; }
+
+bool supported_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
+  std::vector<int64_t> s(sizes.begin(), sizes.end());
+  s.back() = last;
+  return s;
+}
+
+// a [m, k] row-major x b [n, k] row-major (= the column-major [k, n] operand _scaled_mm wants), dequantised by the
+// operands' inverse scales, into out_dtype. Fast accumulation only in the forward (the gradients' GEMMs keep full
+// fp32 accumulation, as torchao and TransformerEngine do).
+at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at::Tensor& b, const at::Tensor& b_inv,
+                     at::ScalarType out_dtype, const std::optional<at::Tensor>& bias, bool fast_accum) {
+  return at::_scaled_mm(a, b.t(), a_inv, b_inv, bias, std::nullopt, out_dtype, fast_accum);
+}
+
+struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, int64_t grad_format, bool want_dx, bool want_dw) {
+    const int64_t in = weight.size(1), out = weight.size(0);
+    const at::Tensor x2 = x.contiguous().view({-1, in});
+    const Fp8Tensor xq = fp8_cast(x2, Fp8Format::kE4M3, true, want_dw);
+    const Fp8Tensor wq = fp8_cast(weight, Fp8Format::kE4M3, true, false);
+    // _scaled_mm's fused bias must be bf16 / fp16 of the output's dtype; an fp32 one is added afterwards
+    const bool fuse_bias = bias && bias->scalar_type() == x.scalar_type() && x.scalar_type() != at::kFloat;
+    at::Tensor y = scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(),
+                             fuse_bias ? bias : std::nullopt, /*fast_accum=*/true);
+    if (bias && !fuse_bias) y.add_(*bias);
+    ctx->save_for_backward({want_dw ? xq.data_t : at::Tensor(), want_dw ? xq.stats : at::Tensor(),
+                            want_dx ? weight : at::Tensor()});
+    ctx->saved_data["grad_format"] = grad_format;
+    ctx->saved_data["has_bias"] = bias.has_value();  // (an absent optional input has no gradient slot to ask about)
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    // (_unsafe_view: a view made inside a custom function could not be modified in place by the caller)
+    return at::_unsafe_view(y, with_last(x.sizes(), out));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &xt8 = saved[0], &x_stats = saved[1], &weight = saved[2];
+    const auto grad_format = static_cast<Fp8Format>(ctx->saved_data["grad_format"].toInt());
+    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    const int64_t out = grads[0].size(-1);
+    const at::Tensor dy2 = grads[0].contiguous().view({-1, out});
+    const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
+    at::Tensor dx, dw, db;
+    if (want_dx || want_dw) {
+      const Fp8Tensor dyq = fp8_cast(dy2, grad_format, want_dx, want_dw);  // one pass, both layouts
+      if (want_dx) {
+        const Fp8Tensor wq = fp8_cast(weight, Fp8Format::kE4M3, false, true);  // W^T [in, out] row-major
+        dx = scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale(), grads[0].scalar_type(), std::nullopt,
+                       false)
+                 .view(x_sizes);
+      }
+      if (want_dw) dw = scaled_mm(dyq.data_t, dyq.inv_scale(), xt8, x_stats.select(0, 2), w_dtype, std::nullopt, false);
+    }
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = column_sum(dy2, w_dtype);
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed) {
+  BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
+  BMT_CHECK(supported_dtype(matrix.scalar_type()), "nn::fp8_cast: dtype ", matrix.scalar_type(),
+            " is not fp32, bf16 or fp16");
+  const at::Tensor m = matrix.contiguous();
+  const int64_t rows = m.size(0), cols = m.size(1);
+  const auto opts = m.options().dtype(fp8_dtype(format));
+  Fp8Tensor r;
+  r.stats = at::empty({3}, m.options().dtype(at::kFloat));
+  if (rowwise) r.data = at::empty({rows, cols}, opts);
+  if (transposed) r.data_t = at::empty({cols, rows}, opts);
+  auto* q = rowwise ? static_cast<uint8_t*>(r.data.data_ptr()) : nullptr;
+  auto* qt = transposed ? static_cast<uint8_t*>(r.data_t.data_ptr()) : nullptr;
+  const core::DType dt = to_core_dtype(m.scalar_type());
+  const k::Fp8Format f = core_format(format);
+  if (!m.is_cuda()) {
+    k::fp8_scale_cpu(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>());
+    k::fp8_cast_cpu(m.data_ptr(), dt, rows, cols, r.stats.data_ptr<float>(), f, q, qt);
+    return r;
+  }
+#ifdef BMT_WITH_CUDA
+  c10::cuda::CUDAGuard guard(m.device());
+  // (from the caching allocator: ordered on this stream, and in a CUDA graph's pool when captured)
+  const at::Tensor ws = at::empty({k::fp8_scale_workspace_numel(m.numel())}, m.options().dtype(at::kInt));
+  void* stream = current_stream_handle(m);
+  k::fp8_scale_cuda(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>(),
+                    static_cast<uint32_t*>(ws.data_ptr()), stream);
+  k::fp8_cast_cuda(m.data_ptr(), dt, rows, cols, r.stats.data_ptr<float>(), f, q, qt, stream);
+  return r;
+#else
+  BMT_ERROR("nn::fp8_cast: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
+#endif
+}
+
+bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight) {
+  if (!x.defined() || !weight.defined() || weight.dim() != 2 || x.dim() < 1) return false;
+  if (!supported_dtype(x.scalar_type()) || weight.scalar_type() != x.scalar_type()) return false;
+  if (x.device() != weight.device() || x.size(-1) != weight.size(1)) return false;
+  const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
+  // every GEMM dimension (rows are wgrad's reduction dimension) a multiple of 16, as _scaled_mm wants on GPUs
+  return rows > 0 && rows % 16 == 0 && weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0;
+}
+
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8Format grad_format) {
+  BMT_CHECK(weight.defined() && weight.dim() == 2, "nn::fp8_linear: needs a 2-D weight");
+  BMT_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "nn::fp8_linear: input ", x.sizes(),
+            " does not match weight ", weight.sizes());
+  BMT_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), "nn::fp8_linear: bias ",
+            bias.sizes(), " does not match weight ", weight.sizes());
+  if (!fp8_linear_applies(x, weight) || (bias.defined() && bias.scalar_type() != x.scalar_type()))
+    return linear(x, weight, bias);
+  // (what the backward will need, known here: inside the Function's forward grad mode is off)
+  const bool grad = at::GradMode::is_enabled();
+  return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                            static_cast<int64_t>(grad_format), grad && x.requires_grad(),
+                            grad && weight.requires_grad());
+}
+
+Fp8Format fp8_grad_format() {
+  int v = g_grad_format.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("BMT_FP8_GRAD");
+    const std::string s = e ? e : "";
+    if (s.empty() || s == "e5m2") v = static_cast<int>(Fp8Format::kE5M2);
+    else if (s == "e4m3") v = static_cast<int>(Fp8Format::kE4M3);
+    else BMT_ERROR("BMT_FP8_GRAD=", s, ": expected e5m2 or e4m3");
+    g_grad_format.store(v, std::memory_order_relaxed);
+  }
+  return static_cast<Fp8Format>(v);
+}
+
+void set_fp8_grad_format(Fp8Format format) { g_grad_format.store(static_cast<int>(format), std::memory_order_relaxed); }
+
+}  // namespace bmt::nn

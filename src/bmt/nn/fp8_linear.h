@@ -1,0 +1,42 @@
+// FP8 linear layer: y = x W^T + b with its three GEMMs in FP8 through at::_scaled_mm (Hopper's FP8 tensor cores;
+// torch's CPU kernel on CPUs, so CI runs the same code path).
+//
+//   forward  y  = x8 W8^T           x, W in E4M3
+//   dgrad    dx = dy8 W8            dy in the gradient format (E5M2 by default: its range suits gradients, the
+//   wgrad    dW = dy8^T x8                                    recipe of TransformerEngine and torchao), W in E4M3
+// Scaling is dynamic and per tensor: scale = fp8_max / amax of the tensor being cast, computed on the device
+// (core/kernels/fp8_cast: no host sync, nothing kept across steps: a recompute under checkpointing repeats the
+// casts). Outputs have the input's dtype (bf16 in training), scales are fp32, the bias gradient is summed in fp32
+// (nn::column_sum). The forward saves x's transposed E4M3 copy for wgrad (half the bytes of the bf16 x) and the
+// weight itself; the backward casts W again (transposed), so under ZeRO-3 the weight is the re-gathered one.
+// Falls back to nn::linear (today's bf16 path) when a GEMM dimension (rows, in or out features) is not a multiple
+// of 16, which _scaled_mm refuses on GPUs, or the dtypes are not fp32 / bf16 / fp16.
+// A non-finite amax makes that tensor's scales NaN: the outputs are NaN and the step's inf/NaN check skips it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace bmt::nn {
+
+enum class Fp8Format { kE4M3, kE5M2 };
+
+// y = x weight^T + bias (bias may be undefined) with FP8 GEMMs; grad_format: the gradient dy's format.
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = at::Tensor(),
+                      Fp8Format grad_format = Fp8Format::kE5M2);
+// Whether fp8_linear takes the FP8 path for these operands (else it is nn::linear).
+bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
+
+// A 2-D tensor cast to FP8 (the kernels' LibTorch face; used by fp8_linear, exposed for tests).
+struct Fp8Tensor {
+  at::Tensor data;    // [rows, cols] float8 (undefined unless asked for)
+  at::Tensor data_t;  // [cols, rows] float8, the transposed copy (undefined unless asked for)
+  at::Tensor stats;   // float32 [3] on the tensor's device: amax, scale, inverse scale
+  at::Tensor inv_scale() const { return stats.select(0, 2); }
+};
+Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed);
+
+// The default gradient format of nn::Linear's FP8 path: BMT_FP8_GRAD=e5m2 (default) | e4m3, or set here.
+Fp8Format fp8_grad_format();
+void set_fp8_grad_format(Fp8Format format);
+
+}  // namespace bmt::nn

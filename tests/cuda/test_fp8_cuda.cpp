@@ -1,0 +1,124 @@
+// The CUDA FP8 scale and cast against their CPU twin, bit for bit (statistics and bytes; every input dtype, both
+// formats, with and without the transposed copy, vector and scalar paths, odd shapes, a misaligned base, zero and
+// inf/NaN tensors), and nn::fp8_linear on the GPU (cuBLASLt's FP8 GEMMs through at::_scaled_mm) against the fp64
+// reference within the FP8 bound (tests/nn/fp8_reference.h). Needs compute capability 8.9+ for the GEMMs.
+#include <gtest/gtest.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/autograd.h>
+#include <torch/cuda.h>
+
+#include <cmath>
+#include <limits>
+
+#include "bmt/core/kernels/fp8_cast_internal.h"
+#include "bmt/nn/fp8_linear.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
+#include "fp8_reference.h"
+
+namespace k = bmt::core::kernels;
+
+namespace {
+
+void* stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+bool fp8_gemm_device() {
+  if (!torch::cuda::is_available()) return false;
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+  return major * 10 + minor >= 89;
+}
+
+// Runs both variants on x (a CPU tensor viewed from `offset` elements into its storage) and compares.
+void compare(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t cols, k::Fp8Format f, bool rowwise,
+             bool transposed, const std::string& what) {
+  const at::Tensor x = flat.narrow(0, offset, rows * cols).contiguous();
+  const bmt::core::DType dt = bmt::to_core_dtype(flat.scalar_type());
+  float want_stats[3];
+  at::Tensor want_q = at::zeros({rows * cols}, at::kByte), want_qt = at::zeros({rows * cols}, at::kByte);
+  k::fp8_scale_cpu(x.data_ptr(), dt, rows * cols, f, want_stats);
+  k::fp8_cast_cpu(x.data_ptr(), dt, rows, cols, want_stats, f, rowwise ? want_q.data_ptr<uint8_t>() : nullptr,
+                  transposed ? want_qt.data_ptr<uint8_t>() : nullptr);
+
+  const at::Tensor gpu_flat = flat.cuda();
+  const void* src = static_cast<const char*>(gpu_flat.data_ptr()) + offset * flat.element_size();
+  const auto opts = at::TensorOptions().device(at::kCUDA);
+  at::Tensor stats = at::empty({3}, opts.dtype(at::kFloat));
+  at::Tensor ws = at::empty({k::fp8_scale_workspace_numel(rows * cols)}, opts.dtype(at::kInt));
+  at::Tensor q = at::zeros({rows * cols}, opts.dtype(at::kByte)), qt = at::zeros_like(q);
+  k::fp8_scale_cuda(src, dt, rows * cols, f, stats.data_ptr<float>(), static_cast<uint32_t*>(ws.data_ptr()),
+                    stream());
+  k::fp8_cast_cuda(src, dt, rows, cols, stats.data_ptr<float>(), f, rowwise ? q.data_ptr<uint8_t>() : nullptr,
+                   transposed ? qt.data_ptr<uint8_t>() : nullptr, stream());
+  const at::Tensor got_stats = stats.cpu();
+  for (int i = 0; i < 3; ++i) {
+    const float g = got_stats[i].item<float>(), w = want_stats[i];
+    EXPECT_TRUE(g == w || (std::isnan(g) && std::isnan(w))) << what << ": stat " << i << " " << g << " vs " << w;
+  }
+  if (std::isnan(want_stats[k::kFp8Scale])) {  // NaN scales: every byte a NaN (the sign may differ)
+    if (rowwise) {
+      EXPECT_TRUE((q.cpu().bitwise_and(0x7f) == 0x7f).all().item<bool>()) << what;
+    }
+    return;
+  }
+  EXPECT_TRUE(at::equal(q.cpu(), want_q)) << what << ": row-major bytes differ";
+  EXPECT_TRUE(at::equal(qt.cpu(), want_qt)) << what << ": transposed bytes differ";
+}
+
+}  // namespace
+
+TEST(Fp8CastCuda, MatchesCpuTwinBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(21);
+  struct Shape { int64_t rows, cols, offset; };
+  for (at::ScalarType st : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const Shape s : {Shape{1, 1, 0}, Shape{7, 13, 0}, Shape{33, 65, 0}, Shape{256, 1024, 0},
+                          Shape{256, 1024, 1}, Shape{1000, 4097, 0}, Shape{4096, 768, 0}}) {
+      for (k::Fp8Format f : {k::Fp8Format::kE4M3, k::Fp8Format::kE5M2}) {
+        // a wide range of magnitudes (finite in fp16), so subnormals, ties and the maximum all occur
+        const at::Tensor flat = (at::randn({s.rows * s.cols + s.offset}) *
+                                 at::exp(at::randn({s.rows * s.cols + s.offset}) * 1.5)).to(st);
+        for (auto [rowwise, transposed] : {std::pair{true, false}, {false, true}, {true, true}}) {
+          const std::string what = std::string(c10::toString(st)) + " " + k::fp8_format_name(f) + " " +
+                                   std::to_string(s.rows) + "x" + std::to_string(s.cols) + " offset " +
+                                   std::to_string(s.offset) + (rowwise ? " q" : "") + (transposed ? " qt" : "");
+          compare(flat, s.offset, s.rows, s.cols, f, rowwise, transposed, what);
+        }
+      }
+    }
+  }
+}
+
+TEST(Fp8CastCuda, ZeroAndNonFiniteTensors) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  for (k::Fp8Format f : {k::Fp8Format::kE4M3, k::Fp8Format::kE5M2}) {
+    compare(at::zeros({64 * 48}, at::kBFloat16), 0, 64, 48, f, true, true, "zeros");
+    for (float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+      at::Tensor t = at::randn({64 * 48});
+      t[1234] = bad;
+      compare(t.to(at::kBFloat16), 0, 64, 48, f, true, false, "with " + std::to_string(bad));
+      compare(t, 0, 64, 48, f, true, true, "fp32 with " + std::to_string(bad));
+    }
+  }
+}
+
+TEST(Fp8LinearCuda, ForwardAndGradientsWithinTheFp8Bound) {
+  if (!fp8_gemm_device()) GTEST_SKIP() << "no CUDA device with FP8 tensor cores (8.9+)";
+  at::manual_seed(22);
+  for (auto grad : {bmt::nn::Fp8Format::kE5M2, bmt::nn::Fp8Format::kE4M3}) {
+    fp8_test::check_fp8_linear(at::kCUDA, at::kBFloat16, grad, 256, 768, 512);
+    fp8_test::check_fp8_linear(at::kCUDA, at::kBFloat16, grad, 64, 2048, 96);
+    fp8_test::check_fp8_linear(at::kCUDA, at::kFloat, grad, 128, 256, 64);
+  }
+}
+
+TEST(Fp8LinearCuda, MatchesTheCpuPathClosely) {
+  if (!fp8_gemm_device()) GTEST_SKIP() << "no CUDA device with FP8 tensor cores (8.9+)";
+  at::manual_seed(23);
+  // same casts (bit-identical bytes and scales), different GEMM kernels: only accumulation order differs
+  const at::Tensor x = at::randn({128, 256}), w = at::randn({64, 256}) * 0.05, b = at::randn({64});
+  const at::Tensor cpu = bmt::nn::fp8_linear(x, w, b);
+  const at::Tensor gpu = bmt::nn::fp8_linear(x.cuda(), w.cuda(), b.cuda()).cpu();
+  const double tol = 1e-4 * (x.abs().mm(w.abs().t())).max().item<double>();
+  EXPECT_LE((cpu - gpu).abs().max().item<double>(), tol);
+}

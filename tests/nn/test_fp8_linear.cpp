@@ -1,0 +1,197 @@
+// FP8: the scale/cast kernels' CPU twin (closed forms, rounding, saturation, zero tensors, inf/NaN, odd shapes, the
+// transposed copy) and nn::fp8_linear's forward and both gradients against an fp64 reference within the bound FP8
+// rounding gives (derived below), its fallback and its inf/NaN behaviour. On CPU the GEMMs are torch's CPU
+// _scaled_mm and the casts our CPU twin: the code path a GPU runs, with other kernels. The CUDA kernels against
+// this twin: tests/cuda/test_fp8_cuda.cpp.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <cmath>
+#include <limits>
+
+#include "bmt/core/kernels/fp8_cast_internal.h"
+#include "bmt/nn/fp8_linear.h"
+#include "bmt/nn/fused_reductions.h"
+#include "fp8_reference.h"
+
+namespace k = bmt::core::kernels;
+using bmt::nn::Fp8Format;
+using fp8_test::check_fp8_linear;
+using fp8_test::unit_roundoff;
+
+namespace {
+
+constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+std::array<float, 3> stats_of(const std::vector<float>& x, k::Fp8Format f) {
+  std::array<float, 3> s{};
+  k::fp8_scale_cpu(x.data(), bmt::core::DType::kFloat32, static_cast<int64_t>(x.size()), f, s.data());
+  return s;
+}
+
+}  // namespace
+
+TEST(Fp8Cast, EncodesKnownValues) {
+  const auto e4 = k::Fp8Format::kE4M3, e5 = k::Fp8Format::kE5M2;
+  EXPECT_EQ(k::float_to_fp8(1.0f, e4), 0x38);
+  EXPECT_EQ(k::float_to_fp8(-2.0f, e4), 0xc0);
+  EXPECT_EQ(k::float_to_fp8(448.0f, e4), 0x7e);
+  EXPECT_EQ(k::float_to_fp8(449.0f, e4), 0x7e);  // saturates: 480 would be the NaN code
+  EXPECT_EQ(k::float_to_fp8(1e9f, e4), 0x7e);
+  EXPECT_EQ(k::float_to_fp8(-kInf, e4), 0xfe);
+  EXPECT_EQ(k::float_to_fp8(kNan, e4), 0x7f);
+  EXPECT_EQ(k::float_to_fp8(std::ldexp(1.0f, -9), e4), 0x01);       // smallest subnormal
+  EXPECT_EQ(k::float_to_fp8(std::ldexp(1.0f, -10), e4), 0x00);      // half of it: ties to even (0)
+  EXPECT_EQ(k::float_to_fp8(3 * std::ldexp(1.0f, -10), e4), 0x02);  // 1.5 quanta: ties to even (2)
+  EXPECT_EQ(k::float_to_fp8(1.0625f, e4), 0x38);                    // halfway 1 | 1.125: even mantissa 0
+  EXPECT_EQ(k::float_to_fp8(1.1875f, e4), 0x3a);                    // halfway 1.125 | 1.25: even mantissa 2
+  EXPECT_EQ(k::float_to_fp8(15.5f, e4), 0x58);                      // 15.5 rounds up into the next binade: 16
+  EXPECT_EQ(k::float_to_fp8(1.0f, e5), 0x3c);
+  EXPECT_EQ(k::float_to_fp8(57344.0f, e5), 0x7b);
+  EXPECT_EQ(k::float_to_fp8(kInf, e5), 0x7b);
+  EXPECT_EQ(k::float_to_fp8(std::ldexp(1.0f, -16), e5), 0x01);
+  EXPECT_EQ(k::float_to_fp8(-0.0f, e5), 0x80);
+  EXPECT_EQ(k::fp8_max(e4), 448.0f);
+  EXPECT_EQ(k::fp8_max(e5), 57344.0f);
+}
+
+TEST(Fp8Cast, EveryCodeRoundTripsAndMatchesTorch) {
+  for (auto f : {k::Fp8Format::kE4M3, k::Fp8Format::kE5M2}) {
+    const at::ScalarType t = f == k::Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+    for (int b = 0; b < 256; ++b) {
+      const float v = k::fp8_to_float(static_cast<uint8_t>(b), f);
+      // torch's decoding of the same byte
+      const at::Tensor byte = at::full({1}, b, at::kByte);
+      const float torch_v = byte.view(t).to(at::kFloat).item<float>();
+      if (std::isnan(v)) {
+        EXPECT_TRUE(std::isnan(torch_v)) << b;
+        continue;
+      }
+      EXPECT_EQ(v, torch_v) << k::fp8_format_name(f) << " code " << b;
+      if (std::isinf(v)) continue;  // E5M2's infinities saturate when encoded
+      EXPECT_EQ(k::float_to_fp8(v, f), b) << k::fp8_format_name(f) << " value " << v;
+    }
+  }
+}
+
+TEST(Fp8Cast, RelativeErrorWithinHalfAnUlpInTheNormalRange) {
+  const at::Tensor x = at::randn({4096}, at::kFloat) * 20;
+  for (auto f : {k::Fp8Format::kE4M3, k::Fp8Format::kE5M2}) {
+    const double u = unit_roundoff(f == k::Fp8Format::kE4M3 ? 3 : 2);
+    const double min_normal = std::ldexp(1.0, f == k::Fp8Format::kE4M3 ? -6 : -14);
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const float v = x[i].item<float>();
+      if (std::fabs(v) < min_normal) continue;
+      const double q = k::fp8_to_float(k::float_to_fp8(v, f), f);
+      EXPECT_LE(std::fabs(q - v), u * std::fabs(v)) << k::fp8_format_name(f) << " " << v;
+    }
+  }
+}
+
+TEST(Fp8Cast, ScaleClosedForms) {
+  auto s = stats_of({1.0f, -3.0f, 2.0f}, k::Fp8Format::kE4M3);
+  EXPECT_EQ(s[k::kFp8Amax], 3.0f);
+  EXPECT_EQ(s[k::kFp8Scale], 448.0f / 3.0f);
+  EXPECT_EQ(s[k::kFp8InvScale], 1.0f / (448.0f / 3.0f));
+  s = stats_of({0.0f, -0.0f, 0.0f}, k::Fp8Format::kE5M2);  // a zero tensor: scale 1
+  EXPECT_EQ(s[k::kFp8Amax], 0.0f);
+  EXPECT_EQ(s[k::kFp8Scale], 1.0f);
+  EXPECT_EQ(s[k::kFp8InvScale], 1.0f);
+  s = stats_of({}, k::Fp8Format::kE4M3);  // empty: as zero
+  EXPECT_EQ(s[k::kFp8Scale], 1.0f);
+  s = stats_of({1.0f, kInf, 2.0f}, k::Fp8Format::kE4M3);  // inf: NaN scales, so the GEMM's products are NaN
+  EXPECT_TRUE(std::isinf(s[k::kFp8Amax]));
+  EXPECT_TRUE(std::isnan(s[k::kFp8Scale]) && std::isnan(s[k::kFp8InvScale]));
+  s = stats_of({1.0f, kNan, kInf}, k::Fp8Format::kE5M2);
+  EXPECT_TRUE(std::isnan(s[k::kFp8Amax]) && std::isnan(s[k::kFp8Scale]) && std::isnan(s[k::kFp8InvScale]));
+  s = stats_of({1e-40f}, k::Fp8Format::kE4M3);  // subnormal amax: the scale stays finite
+  EXPECT_TRUE(std::isfinite(s[k::kFp8Scale]) && s[k::kFp8Scale] > 0);
+}
+
+TEST(Fp8Cast, CastsOddShapesWithTheTransposedCopyInOnePass) {
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const at::Tensor x = (at::randn({7, 13}, at::kFloat) * 5).to(dt);
+    for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      const auto kf = f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2;
+      const bmt::nn::Fp8Tensor q = bmt::nn::fp8_cast(x, f, true, true);
+      ASSERT_EQ(q.data.sizes(), x.sizes());
+      ASSERT_EQ(q.data_t.sizes(), (at::IntArrayRef{13, 7}));
+      const float amax = x.to(at::kFloat).abs().max().item<float>();
+      EXPECT_EQ(q.stats[0].item<float>(), amax);
+      const float scale = q.stats[1].item<float>();
+      EXPECT_EQ(scale, k::fp8_max(kf) / amax);
+      const at::Tensor bytes = q.data.view(at::kByte), bytes_t = q.data_t.view(at::kByte);
+      const at::Tensor xf = x.to(at::kFloat);
+      for (int64_t r = 0; r < 7; ++r) {
+        for (int64_t c = 0; c < 13; ++c) {
+          const uint8_t want = k::float_to_fp8(xf[r][c].item<float>() * scale, kf);
+          EXPECT_EQ(bytes[r][c].item<uint8_t>(), want);
+          EXPECT_EQ(bytes_t[c][r].item<uint8_t>(), want);
+        }
+      }
+      // the largest element lands on fp8_max exactly
+      EXPECT_EQ(q.data.to(at::kFloat).abs().max().item<float>(), k::fp8_max(kf));
+    }
+  }
+  const bmt::nn::Fp8Tensor z = bmt::nn::fp8_cast(at::zeros({3, 5}), Fp8Format::kE4M3, true, false);
+  EXPECT_FALSE(z.data_t.defined());
+  EXPECT_EQ(z.stats[1].item<float>(), 1.0f);
+  EXPECT_TRUE((z.data.view(at::kByte) == 0).all().item<bool>());
+  EXPECT_THROW(bmt::nn::fp8_cast(at::zeros({3}), Fp8Format::kE4M3, true, false), bmt::core::Error);
+}
+
+TEST(Fp8Linear, ForwardAndGradientsWithinTheFp8BoundFp32) {
+  at::manual_seed(1);
+  check_fp8_linear(at::kCPU, at::kFloat, Fp8Format::kE5M2, 64, 96, 48);
+  check_fp8_linear(at::kCPU, at::kFloat, Fp8Format::kE4M3, 32, 128, 80);
+}
+
+TEST(Fp8Linear, ForwardAndGradientsWithinTheFp8BoundBf16) {
+  at::manual_seed(2);
+  check_fp8_linear(at::kCPU, at::kBFloat16, Fp8Format::kE5M2, 96, 64, 32);
+  check_fp8_linear(at::kCPU, at::kBFloat16, Fp8Format::kE4M3, 48, 48, 64);
+}
+
+TEST(Fp8Linear, ShapesNotMultipleOf16FallBackToTheBf16PathBitForBit) {
+  at::manual_seed(3);
+  for (auto shape : {std::array<int64_t, 3>{10, 32, 32}, {32, 24, 32}, {32, 32, 40}}) {
+    const at::Tensor x0 = at::randn({shape[0], shape[1]}), w0 = at::randn({shape[2], shape[1]}),
+                     b0 = at::randn({shape[2]}), g = at::randn({shape[0], shape[2]});
+    at::Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+    at::Tensor xr = x0.clone().requires_grad_(), wr = w0.clone().requires_grad_(), br = b0.clone().requires_grad_();
+    EXPECT_FALSE(bmt::nn::fp8_linear_applies(x, w));
+    bmt::nn::fp8_linear(x, w, b).backward(g);
+    bmt::nn::linear(xr, wr, br).backward(g);
+    EXPECT_TRUE(at::equal(x.grad(), xr.grad()) && at::equal(w.grad(), wr.grad()) && at::equal(b.grad(), br.grad()));
+  }
+}
+
+TEST(Fp8Linear, InfOrNanInTheInputMakesTheOutputNan) {
+  for (float bad : {kInf, kNan}) {
+    at::Tensor x = at::randn({16, 32});
+    x[3][5] = bad;
+    const at::Tensor y = bmt::nn::fp8_linear(x, at::randn({16, 32}), at::randn({16}));
+    EXPECT_TRUE(y.isnan().all().item<bool>()) << bad;
+  }
+  // and in the gradient: every weight gradient NaN (the step's inf/NaN check skips the step)
+  at::Tensor w = at::randn({16, 32}).requires_grad_();
+  at::Tensor g = at::randn({16, 16});
+  g[0][0] = kInf;
+  bmt::nn::fp8_linear(at::randn({16, 32}), w, at::Tensor()).backward(g);
+  EXPECT_TRUE(w.grad().isnan().all().item<bool>());
+}
+
+TEST(Fp8Linear, NoGradForwardEqualsTheGradForward) {
+  at::manual_seed(4);
+  const at::Tensor x = at::randn({32, 48}), w = at::randn({16, 48}).requires_grad_(), b = at::randn({16});
+  const at::Tensor with_grad = bmt::nn::fp8_linear(x, w, b);
+  at::Tensor without;
+  {
+    at::NoGradGuard no_grad;
+    without = bmt::nn::fp8_linear(x, w, b);
+  }
+  EXPECT_TRUE(at::equal(with_grad.detach(), without));  // a recompute under checkpointing sees the same values
+}
