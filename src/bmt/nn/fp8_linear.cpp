@@ -53,12 +53,12 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const at::Tensor x2 = x.contiguous().view({-1, in});
     const Fp8Tensor xq = fp8_cast(x2, Fp8Format::kE4M3, true, want_dw);
     const Fp8Tensor wq = fp8_cast(weight, Fp8Format::kE4M3, true, false);
-    // _scaled_mm's fused bias must be bf16 / fp16 of the output's dtype; an fp32 one is added afterwards
-    const bool fuse_bias = bias && bias->scalar_type() == x.scalar_type() && x.scalar_type() != at::kFloat;
-    at::Tensor y = scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(),
-                             fuse_bias ? bias : std::nullopt, /*fast_accum=*/true);
-    if (bias && !fuse_bias) y.add_(*bias);
-    ctx->save_for_backward({want_dw ? xq.data_t : at::Tensor(), want_dw ? xq.stats : at::Tensor(),
+    // The bias is added after the GEMM, as torchao does: the fused bias epilogue is one of the suspects of the
+    // CUBLAS_STATUS_NOT_SUPPORTED an H200 gave at 81f1cd3 (issue 34's note); fuse it again once measured there.
+    at::Tensor y = scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), std::nullopt,
+                             /*fast_accum=*/true);
+    if (bias) y.add_(*bias);
+    ctx->save_for_backward({want_dw ? xq.data_t : at::Tensor(), want_dw ? xq.inv_scale() : at::Tensor(),
                             want_dx ? weight : at::Tensor()});
     ctx->saved_data["grad_format"] = grad_format;
     ctx->saved_data["has_bias"] = bias.has_value();  // (an absent optional input has no gradient slot to ask about)
@@ -70,7 +70,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &xt8 = saved[0], &x_stats = saved[1], &weight = saved[2];
+    const at::Tensor &xt8 = saved[0], &x_inv = saved[1], &weight = saved[2];
     const auto grad_format = static_cast<Fp8Format>(ctx->saved_data["grad_format"].toInt());
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
@@ -86,7 +86,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
                        false)
                  .view(x_sizes);
       }
-      if (want_dw) dw = scaled_mm(dyq.data_t, dyq.inv_scale(), xt8, x_stats.select(0, 2), w_dtype, std::nullopt, false);
+      if (want_dw) dw = scaled_mm(dyq.data_t, dyq.inv_scale(), xt8, x_inv, w_dtype, std::nullopt, false);
     }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = column_sum(dy2, w_dtype);
     return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
@@ -113,6 +113,7 @@ Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, boo
   if (!m.is_cuda()) {
     k::fp8_scale_cpu(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>());
     k::fp8_cast_cpu(m.data_ptr(), dt, rows, cols, r.stats.data_ptr<float>(), f, q, qt);
+    r.inv = r.stats.select(0, 2).clone();
     return r;
   }
 #ifdef BMT_WITH_CUDA
@@ -123,6 +124,7 @@ Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, boo
   k::fp8_scale_cuda(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>(),
                     static_cast<uint32_t*>(ws.data_ptr()), stream);
   k::fp8_cast_cuda(m.data_ptr(), dt, rows, cols, r.stats.data_ptr<float>(), f, q, qt, stream);
+  r.inv = r.stats.select(0, 2).clone();  // on the current stream, after the kernels
   return r;
 #else
   BMT_ERROR("nn::fp8_cast: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");

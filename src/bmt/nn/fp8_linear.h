@@ -31,7 +31,11 @@ struct Fp8Tensor {
   at::Tensor data;    // [rows, cols] float8 (undefined unless asked for)
   at::Tensor data_t;  // [cols, rows] float8, the transposed copy (undefined unless asked for)
   at::Tensor stats;   // float32 [3] on the tensor's device: amax, scale, inverse scale
-  at::Tensor inv_scale() const { return stats.select(0, 2); }
+  // The inverse scale in an allocation of its own (0-dim float32, same device): what _scaled_mm reads. A view into
+  // `stats` (a 4-byte-aligned pointer inside another allocation) is suspected of the CUBLAS_STATUS_NOT_SUPPORTED
+  // an H200 gave; a one-element copy rules it out.
+  at::Tensor inv;
+  const at::Tensor& inv_scale() const { return inv; }
 };
 Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed);
 
