@@ -177,16 +177,72 @@ std::string draw_run_id() {
   return buf;
 }
 
-void claim_save_dir(const std::string& root, bool resume_requested, bool overwrite) {
+namespace {
+
+// Rank 0's run id as a 60-bit number, the same on every rank (run ids are 15 hex digits).
+std::string broadcast_run_id(const std::string& id_on_rank0) {
+  const auto& cfg = bmt::config();
+  const int64_t v = cfg.rank == 0 ? static_cast<int64_t>(std::stoull(id_on_rank0, nullptr, 16)) : 0;
+  at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kLong).device(cfg.device));
+  t = bmt::distributed::raw_broadcast(t, 0, *cfg.comm).cpu();
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "%015llx", static_cast<unsigned long long>(t.item<int64_t>()));
+  return buf;
+}
+
+bool is_run_id(const std::string& s) {
+  return s.size() == 15 && s.find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
+}  // namespace
+
+std::string claim_save_dir(const std::string& root, bool resume_requested, bool overwrite,
+                           const std::string& new_run_id) {
   const auto& cfg = bmt::config();
   std::vector<std::string> found = step_folders(root);
   const bool has_latest = bmt::checkpoint::path_exists(join(root, "latest"));
   // Rank 0 decides (ranks on other machines may not see the folder), every rank raises the same error.
-  at::Tensor verdict = at::full({1}, static_cast<int64_t>(!found.empty() || has_latest),
-                                at::TensorOptions().dtype(at::kLong).device(cfg.device));
-  if (bmt::distributed::raw_broadcast(verdict, 0, *cfg.comm).cpu().item<int64_t>() == 0) return;
-  if (has_latest) found.push_back("latest");
+  // 0: free; 1: holds checkpoints; 2: the run in root/run_id, killed before its first `latest`, starts over.
+  int64_t decision = (!found.empty() || has_latest) ? 1 : 0;
+  std::string restarted;
+  // Before its first `latest` a run holds at most one committed step folder (a save waits for the previous one's
+  // `latest`); more, or none of its own, is not that case (e.g. a user deleted `latest`): refused below.
+  if (cfg.rank == 0 && decision == 1 && resume_requested && !has_latest && !overwrite && found.size() == 1) {
+    std::string marker;
+    std::ifstream(join(root, "run_id")) >> marker;
+    bool all_of_it = is_run_id(marker);
+    for (const std::string& n : found) all_of_it = all_of_it && run_id_of(join(root, n)) == marker;
+    if (all_of_it) {
+      decision = 2;
+      restarted = marker;
+    }
+  }
+  at::Tensor verdict = at::full({1}, decision, at::TensorOptions().dtype(at::kLong).device(cfg.device));
+  decision = bmt::distributed::raw_broadcast(verdict, 0, *cfg.comm).cpu().item<int64_t>();
+  auto mark = [&](const std::string& id) {  // rank 0 writes root/run_id; every rank gets the id
+    if (cfg.rank == 0) {
+      std::error_code ec;
+      std::filesystem::create_directories(root, ec);
+      write_file_atomic(join(root, "run_id"), id + "\n");
+    }
+    bmt::synchronize();
+    return id;
+  };
+  if (decision == 0) return mark(new_run_id);
   std::string listing;
+  for (size_t i = 0; i < found.size() && i < 4; ++i) listing += (i ? ", " : "") + found[i];
+  if (found.size() > 4) listing += ", ... (" + std::to_string(found.size()) + " entries)";
+  if (decision == 2) {
+    const std::string id = broadcast_run_id(cfg.rank == 0 ? restarted : new_run_id);
+    if (cfg.rank == 0) {  // the folder stays until the run saves that step again (atomically, the same bytes)
+      std::printf("--resume: %s has no `latest`: its run (id %s) stopped before its first checkpoint (%s) became "
+                  "`latest`; starting that run over from step 0\n", root.c_str(), id.c_str(), listing.c_str());
+      std::fflush(stdout);
+    }
+    return mark(id);
+  }
+  if (has_latest) found.push_back("latest");
+  listing.clear();
   for (size_t i = 0; i < found.size() && i < 4; ++i) listing += (i ? ", " : "") + found[i];
   if (found.size() > 4) listing += ", ... (" + std::to_string(found.size()) + " entries)";
   if (overwrite) {
@@ -197,7 +253,7 @@ void claim_save_dir(const std::string& root, bool resume_requested, bool overwri
       std::fflush(stdout);
     }
     bmt::synchronize();
-    return;
+    return mark(new_run_id);
   }
   BMT_CHECK(!resume_requested || has_latest, "--resume found no ", join(root, "latest"), " but ", root,
             " holds checkpoints (", listing, "): to continue from one, write its folder name into ",

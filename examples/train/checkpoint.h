@@ -6,6 +6,7 @@
 //                          trainer.world_size, trainer.tp_size and trainer.run_id. It loads at any world size and tp size
 //                          (optimizer state re-cut, not restarted); the RNG states only at the same sizes.
 //   root/latest            the name of the newest complete checkpoint directory
+//   root/run_id            the run id of the run that claimed the folder (claim_save_dir)
 // bmt::checkpoint::save writes into a temporary directory, fsyncs it and renames it into place; `latest` is
 // replaced (written, fsynced, renamed, parent fsynced) only after that, and only then are older step folders
 // beyond keep_last deleted. A crash or a failed save therefore leaves `latest` on a complete checkpoint.
@@ -34,8 +35,13 @@ std::string draw_run_id();
 // Collective, before a run that has loaded no checkpoint saves into root: refuses (the same error on every rank) a
 // root holding checkpoints (step_* folders or `latest`) -- another run's: they would be overwritten and pruned --
 // naming the folder and the ways on (resumed: whether --resume found no `latest`). overwrite: deletes them instead
-// (rank 0), and says so. A missing or empty root, or one with other files only, is fine.
-void claim_save_dir(const std::string& root, bool resume_requested, bool overwrite);
+// (rank 0), and says so. A missing or empty root, or one with other files only, is fine. One exception: under
+// --resume, a root without `latest` holding one step folder, of the run named in root/run_id (the run that claimed
+// the folder last, killed between its first commit and its first `latest`), is that run starting over from step 0
+// under its id (the folder is saved again when the run reaches it); its id is returned. Otherwise returns
+// new_run_id. Either way root/run_id then names the returned id.
+std::string claim_save_dir(const std::string& root, bool resume_requested, bool overwrite,
+                           const std::string& new_run_id);
 
 // keep_last > 0: keep the newest keep_last step folders of this run (run_id; the new one included), delete its
 // older ones; 0 keeps all. Step folders of other runs (another run id, none, or unreadable) are never deleted.

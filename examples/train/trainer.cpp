@@ -131,8 +131,9 @@ void print_header(const Run& run) {
   std::fflush(stdout);
 }
 
-// Loads D/latest under --resume; a run that loaded nothing and will save claims the folder first (claim_save_dir:
-// another run's checkpoints are refused, or deleted with --overwrite-checkpoints), then draws its run id.
+// Loads D/latest under --resume; a run that loaded nothing and will save claims the folder (claim_save_dir: another
+// run's checkpoints are refused, or deleted with --overwrite-checkpoints; the folder's own run, killed before its
+// first `latest`, starts over under its id) and gets its run id from it.
 void resume(Run& run) {
   const auto& cfg = bmt::config();
   const TrainArgs& args = run.args;
@@ -151,7 +152,8 @@ void resume(Run& run) {
       }
     }
   }
-  if (!loaded && args.saves()) claim_save_dir(args.save_dir, args.resume, args.overwrite_checkpoints);
+  if (!loaded && args.saves())
+    run.run_id = claim_save_dir(args.save_dir, args.resume, args.overwrite_checkpoints, draw_run_id());
   if (!loaded && args.resume && run.rank0)
     std::printf("no checkpoint in %s: starting from scratch\n", args.save_dir.c_str());
   if (run.run_id.empty()) run.run_id = draw_run_id();  // checkpoints written before run ids have none

@@ -151,6 +151,12 @@ TEST(TrainGptKillResume, KillDuringAnAsyncSaveThenResumeIsBitIdentical) {
 
 // Rank 0 dies after the folder of step S is committed and before `latest` moves: the resume starts from S - 3 and
 // saves S again over the complete folder.
+// The first checkpoint committed, `latest` not yet written: --resume finds the folder's own run (root/run_id) and
+// starts it over from step 0 instead of refusing the folder as another run's (the soak met this under load).
+TEST(TrainGptKillResume, KillBetweenTheFirstCommitAndLatestThenResumeStartsTheRunOver) {
+  kill_then_resume("commit", 3, /*rank=*/0, /*async=*/false, 0);
+}
+
 TEST(TrainGptKillResume, KillBetweenCommitAndLatestThenResumeIsBitIdentical) {
   std::mt19937 rng(test_seed() + 3);
   const int64_t step = 3 * (2 + static_cast<int64_t>(rng() % 2));  // 6 or 9
