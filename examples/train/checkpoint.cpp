@@ -165,17 +165,6 @@ void write_file_atomic(const std::string& path, const std::string& contents) {
   fsync_directory(parent_of(path));
 }
 
-std::string draw_run_id() {
-  const auto& cfg = bmt::config();
-  // 60 random bits from rank 0 (fits an int64 exactly in any dtype path), the same id on every rank.
-  const std::string hex = bmt::checkpoint::random_hex_suffix().substr(0, 15);
-  at::Tensor id = at::full({1}, static_cast<int64_t>(std::stoull(hex, nullptr, 16)),
-                           at::TensorOptions().dtype(at::kLong).device(cfg.device));
-  id = bmt::distributed::raw_broadcast(id, 0, *cfg.comm).cpu();
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "%015llx", static_cast<unsigned long long>(id.item<int64_t>()));
-  return buf;
-}
 
 namespace {
 
@@ -190,11 +179,24 @@ std::string broadcast_run_id(const std::string& id_on_rank0) {
   return buf;
 }
 
+// "a, b, c, d, ... (n entries)": the first four names.
+std::string listing_of(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 4; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > 4) out += ", ... (" + std::to_string(names.size()) + " entries)";
+  return out;
+}
+
 bool is_run_id(const std::string& s) {
   return s.size() == 15 && s.find_first_not_of("0123456789abcdef") == std::string::npos;
 }
 
 }  // namespace
+
+std::string draw_run_id() {
+  // 60 random bits from rank 0 (fits an int64 exactly in any dtype path), the same id on every rank.
+  return broadcast_run_id(bmt::checkpoint::random_hex_suffix().substr(0, 15));
+}
 
 std::string claim_save_dir(const std::string& root, bool resume_requested, bool overwrite,
                            const std::string& new_run_id) {
@@ -229,22 +231,18 @@ std::string claim_save_dir(const std::string& root, bool resume_requested, bool 
     return id;
   };
   if (decision == 0) return mark(new_run_id);
-  std::string listing;
-  for (size_t i = 0; i < found.size() && i < 4; ++i) listing += (i ? ", " : "") + found[i];
-  if (found.size() > 4) listing += ", ... (" + std::to_string(found.size()) + " entries)";
   if (decision == 2) {
     const std::string id = broadcast_run_id(cfg.rank == 0 ? restarted : new_run_id);
     if (cfg.rank == 0) {  // the folder stays until the run saves that step again (atomically, the same bytes)
       std::printf("--resume: %s has no `latest`: its run (id %s) stopped before its first checkpoint (%s) became "
-                  "`latest`; starting that run over from step 0\n", root.c_str(), id.c_str(), listing.c_str());
+                  "`latest`; starting that run over from step 0\n", root.c_str(), id.c_str(),
+                  listing_of(found).c_str());
       std::fflush(stdout);
     }
     return mark(id);
   }
   if (has_latest) found.push_back("latest");
-  listing.clear();
-  for (size_t i = 0; i < found.size() && i < 4; ++i) listing += (i ? ", " : "") + found[i];
-  if (found.size() > 4) listing += ", ... (" + std::to_string(found.size()) + " entries)";
+  const std::string listing = listing_of(found);
   if (overwrite) {
     if (cfg.rank == 0) {
       for (const std::string& n : found) remove_tree(join(root, n));
