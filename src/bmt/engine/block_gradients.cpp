@@ -246,6 +246,9 @@ void Block::reduce_gradients(const std::vector<at::Tensor>& param_grads) {
                            comm_s ? comm_s->native_handle() : nullptr);
     reduce_over_tp(mine, g.tp_grad_reduce);  // on the comm stream (current under the guard)
     if (!fresh) g.grad_shard.add_(mine);
+    // A script may read p.grad right after backward() (BMTrain's tests do): its stream must not race the comm
+    // stream (seen on 2 H200s as checkpointed attention gradients read half-reduced).
+    if (comm_s) wait_for_gradient_reduction_after_backward();
   }
 }
 

@@ -18,5 +18,9 @@ std::optional<c10::Stream> load_stream();
 void stream_wait(const std::optional<c10::Stream>& waiter, const std::optional<c10::Stream>& producer);
 // Makes the calc stream wait for every gradient reduction queued so far (call before reading gradients).
 void wait_for_gradient_reduction();
+// Inside a backward: the caller of backward() gets its current stream made to wait for the gradient reductions
+// queued by the end of that backward (once per autograd graph task, as its final callback), so `p.grad` read right
+// after `loss.backward()` holds the reduced values without an optimizer in between. Outside a backward: nothing.
+void wait_for_gradient_reduction_after_backward();
 
 }  // namespace bmt
