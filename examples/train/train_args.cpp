@@ -33,9 +33,8 @@ std::string train_usage() {
                       BMT_FP8_GRAD=e4m3; per-tensor dynamic scales); embeddings and the LM head stay --dtype
   --cuda-graphs       capture the forward + backward (ZeRO gathers and reductions included) as a CUDA graph
                       after 2 eager steps and replay it (bmt::CudaGraphStep; the optimizer step stays eager);
-                      not with --pp; eager on CPUs (a notice). Default on GPUs at any world size without
-                      --tp and --pp; --no-cuda-graphs turns it off (the graph's pool keeps one step's
-                      activations reserved)
+                      not with --pp; eager on CPUs (a notice). Default on for one GPU (world 1, no --pp);
+                      --no-cuda-graphs turns it off (the graph's pool keeps one step's activations reserved)
   --eval-every K      held-out loss (and task accuracy) every K steps; --eval-batches N
   --save-every K --save-dir D    checkpoints every K steps and at the end: D/step_<n> (bmtrain's sharded,
                       checksummed format: model, optimizer, LR schedule, RNG; `bmt-ckpt verify D/step_<n>`)

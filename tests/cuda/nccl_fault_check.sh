@@ -4,7 +4,8 @@
 # bmtrun, (c) under torchrun --no-python; once rank 0 prints training steps, rank 1 gets kill -9 or, separately,
 # SIGSTOP. Rank 0 must exit within BMT_TIMEOUT_S (30) + 10 s and the output must name rank 1 (the library's
 # "rank 1 is dead: ..." DistError, or, when the launcher stopped the survivor first, the launcher's report of rank 1).
-# Prints one line per case and exits non-zero if any case failed. About 3 minutes.
+# Prints one line per case and exits non-zero if any case failed. About 3 minutes. BMT_FAULT_MODES (hand bmtrun
+# torchrun) and BMT_FAULT_SIGNALS (KILL STOP) run a subset; BMT_FAULT_KEEP_LOGS=DIR copies the cases' logs there.
 #   usage: tests/cuda/nccl_fault_check.sh [BUILD_DIR]      (default: the first of build-gpu, build-cuda, build)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -107,9 +108,13 @@ run_case() {  # $1 = hand | bmtrun | torchrun, $2 = KILL | STOP
   wait 2>/dev/null
 }
 
-for mode in hand bmtrun torchrun; do
-  for sig in KILL STOP; do run_case "$mode" "$sig"; done
+# BMT_FAULT_MODES / BMT_FAULT_SIGNALS pick a subset (e.g. "hand" and "KILL" to look at one case).
+read -r -a MODES <<< "${BMT_FAULT_MODES:-hand bmtrun torchrun}"
+read -r -a SIGNALS <<< "${BMT_FAULT_SIGNALS:-KILL STOP}"
+for mode in "${MODES[@]}"; do
+  for sig in "${SIGNALS[@]}"; do run_case "$mode" "$sig"; done
 done
-echo "[fault] $passes passed, $failures failed of 6 cases in $(( $(date +%s) - t_all )) s (BMT_TIMEOUT_S=$BMT_TIMEOUT_S)"
+echo "[fault] $passes passed, $failures failed of $(( ${#MODES[@]} * ${#SIGNALS[@]} )) cases in $(( $(date +%s) - t_all )) s (BMT_TIMEOUT_S=$BMT_TIMEOUT_S)"
+[ -n "${BMT_FAULT_KEEP_LOGS:-}" ] && mkdir -p "$BMT_FAULT_KEEP_LOGS" && cp "$TMP"/* "$BMT_FAULT_KEEP_LOGS"/ 2>/dev/null
 [ "$failures" = 0 ] && rm -rf "$TMP"
 [ "$failures" = 0 ]
