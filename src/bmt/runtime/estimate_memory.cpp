@@ -98,7 +98,10 @@ MemoryEstimate estimate_memory(const ModelShape& m, const MemoryPlan& plan) {
   const int64_t layers_here = (m.layers + pp - 1) / pp;  // stage 0 (also holds the embedding)
 
   const double layer_p = per_rank(layer_params_of(m), tp);  // one layer's parameters on this tp rank
-  const double other_p = per_rank(other_params_of(m), tp) / (pp > 1 ? 2 : 1);  // pp: embedding first, head last
+  // pp: stage 0 holds the embeddings (GPT: the token and position tables; the tied copy and the final norm live on
+  // the last stage), the last stage the head; stage 0 is the one estimated.
+  const double embedding_p = static_cast<double>(m.vocab) * m.hidden / tp + (m.arch == "gpt" ? static_cast<double>(m.max_seq) * m.hidden : 0.0);
+  const double other_p = pp > 1 ? embedding_p : per_rank(other_params_of(m), tp);
   const double params_here = layers_here * layer_p + other_p;
   const double shard = params_here / dp;  // ZeRO: this rank's share
 
@@ -152,7 +155,7 @@ MemoryEstimate estimate_memory(const ModelShape& m, const MemoryPlan& plan) {
     buf += gathered_blocks * layer_p * pbytes + layer_p * 4;
     buf += other_p * (pbytes + 4);
   }
-  buf += tokens * static_cast<double>(m.vocab) / tp * abytes;
+  if (pp == 1) buf += tokens * static_cast<double>(m.vocab) / tp * abytes;  // (pp: the logits are the last stage's)
   e.gpu.buffers = buf;
   return e;
 }
