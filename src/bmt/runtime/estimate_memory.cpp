@@ -37,6 +37,14 @@ LayerParams other_params_of(const ModelShape& m) {
   return {m.vocab * d, m.max_seq * d + 2 * d};          // tied embedding; positions and final LayerNorm replicated
 }
 
+// What pipeline stage 0 holds outside the layers: the input embeddings only (GPT: token and position tables; the
+// tied copy, the final norm and the head live on the last stage).
+LayerParams first_stage_params_of(const ModelShape& m) {
+  const int64_t d = m.hidden;
+  if (m.arch == "llama") return {m.vocab * d, 0};
+  return {m.vocab * d, m.max_seq * d};
+}
+
 double per_rank(const LayerParams& p, int tp) { return static_cast<double>(p.split) / tp + static_cast<double>(p.replicated); }
 
 // Bytes autograd keeps per token for one layer's backward (bf16/fp16 activations of the example layers; fp32 for
@@ -98,10 +106,8 @@ MemoryEstimate estimate_memory(const ModelShape& m, const MemoryPlan& plan) {
   const int64_t layers_here = (m.layers + pp - 1) / pp;  // stage 0 (also holds the embedding)
 
   const double layer_p = per_rank(layer_params_of(m), tp);  // one layer's parameters on this tp rank
-  // pp: stage 0 holds the embeddings (GPT: the token and position tables; the tied copy and the final norm live on
-  // the last stage), the last stage the head; stage 0 is the one estimated.
-  const double embedding_p = static_cast<double>(m.vocab) * m.hidden / tp + (m.arch == "gpt" ? static_cast<double>(m.max_seq) * m.hidden : 0.0);
-  const double other_p = pp > 1 ? embedding_p : per_rank(other_params_of(m), tp);
+  // pp: stage 0 (the one estimated) holds only the input embeddings outside the layers
+  const double other_p = per_rank(pp > 1 ? first_stage_params_of(m) : other_params_of(m), tp);
   const double params_here = layers_here * layer_p + other_p;
   const double shard = params_here / dp;  // ZeRO: this rank's share
 
