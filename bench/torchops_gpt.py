@@ -222,6 +222,28 @@ def setup_torch(a, shape, device):
     return step, n_params, info
 
 
+def profile_steps(path, run_step, sync, cuda, steps=2):
+    """Two steps under torch.profiler (host ops, Python frames of the model, kernels); the trace to path and its
+    summary to stdout. Not timed: the profiler's own overhead stretches the host side."""
+    from torch.profiler import ProfilerActivity, profile
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import trace_summary
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, with_stack=False) as prof:
+        for i in range(steps):
+            run_step(i)
+        sync()
+    prof.export_chrome_trace(path[:-3] if path.endswith(".gz") else path)
+    if path.endswith(".gz"):
+        import gzip
+        import shutil
+        with open(path[:-3], "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(path[:-3])
+    print(f"torchops_gpt: profile of {steps} steps -> {path}\n" + trace_summary.summarize(trace_summary.load(path)),
+          flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--framework", default="bmtrain", choices=sorted(FRAMEWORK_NAMES))
@@ -237,6 +259,8 @@ def main():
                     help="bmtrain's parameter dtype (auto: bf16 on GPUs, fp32 on CPUs)")
     ap.add_argument("--variant", default="", help="a label for this row (e.g. no-route), stored in the JSON")
     ap.add_argument("--memory-snapshot", default="", help="write torch's allocator snapshot (pickle) here")
+    ap.add_argument("--profile", default="", help="after the timed steps, profile 2 more steps: write the chrome "
+                    "trace to PATH (.json.gz) and print where the time went (bench/trace_summary.py)")
     ap.add_argument("--json", default="")
     ap.add_argument("--seed", type=int, default=1234)
     a = ap.parse_args()
@@ -314,6 +338,8 @@ def main():
     if cuda and a.memory_snapshot and rank0:
         torch.cuda.memory._dump_snapshot(a.memory_snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
+    if a.profile and rank0:
+        profile_steps(a.profile, lambda i: step(batches[i % distinct]), sync, cuda)
     loss_first, loss_last = losses[0].item(), losses[-1].item()
     if not math.isfinite(loss_last):
         print(f"torchops_gpt: error: loss is not finite: {loss_last}", file=sys.stderr)
