@@ -36,7 +36,7 @@ FRAMEWORKS=${TORCHOPS_FRAMEWORKS:-bmtpy fsdp2 plain bmt}
 # shape and step counts of a config id; sets P (python flags), C (engine flags), CANON (the config name)
 shape_of() {
   case $1 in
-    124m) P="--preset gpt2-124m --seq 1024 --batch 16 --warmup 3 --steps 10"; C="$P --cuda-graphs"
+    124m) P="--preset gpt2-124m --seq 1024 --batch 16 --warmup 5 --steps 20"; C="$P --cuda-graphs"
           CANON="gpt2-124m seq1024 batch16" ;;
     1p3b) P="--preset gpt-1.3b --seq 2048 --batch 8 --warmup 2 --steps 5"; C="$P"; CANON="gpt-1.3b seq2048 batch8" ;;
     1p3b_ckpt) P="--preset gpt-1.3b --seq 2048 --batch 8 --warmup 2 --steps 5 --checkpointing"

@@ -14,6 +14,10 @@ the same function:
                                                recompute, recompute_keep.h)
   F.cross_entropy(logits.float(), target)   -> the engine's fused cross-entropy on the half-precision logits
                                                (fp32 statistics; no fp32 log-softmax saved, no fp32 gradient)
+  F.linear(h, w, b) on h = F.gelu(pre, approximate="tanh") from the same Block run (the MLP's second linear)
+                                            -> bmtrain._C.nn.linear_after_gelu ("gelu_linear"): the same forward;
+                                               in the backward the gradient goes to pre with GELU's gradient done by
+                                               the GEMM's DGELU epilogue (CUDA half tensors; elsewhere F.linear)
 
 Calls outside those patterns (a mask, dropout, a 2-D normalized_shape, class weights, probabilities as targets...)
 go to torch unchanged. The loss is usually computed outside any Block: after a top-level Block or
@@ -39,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _C
 
-OPS = ("linear", "layer_norm", "attention", "cross_entropy")
+OPS = ("linear", "layer_norm", "attention", "cross_entropy", "gelu_linear")
 _ENV = "BMT_ROUTE_TORCH_OPS"
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -113,14 +117,42 @@ def _plain(*ts):
 
 
 def _linear(args, kwargs):
-    x, w, b = (list(args) + [None, None, None])[:3]
-    w = kwargs.get("weight", w)
-    b = kwargs.get("bias", b)
-    x = kwargs.get("input", x)
+    if kwargs:
+        x, w, b = (list(args) + [None, None, None])[:3]
+        w = kwargs.get("weight", w)
+        b = kwargs.get("bias", b)
+        x = kwargs.get("input", x)
+    elif len(args) == 3:
+        x, w, b = args
+    elif len(args) == 2:
+        (x, w), b = args, None
+    else:
+        return NotImplemented
     if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and _plain(x, w, b)) or w.dim() != 2:
         return NotImplemented
+    if _gelus:
+        rec = _gelus.get(id(x))
+        # the GELU output as it was made (same tensor, neither it nor the pre-activation changed in place since)
+        if (rec is not None and rec[0]() is x and x._version == rec[2] and rec[1]._version == rec[3]
+                and "gelu_linear" in _on()):
+            _counts["gelu_linear"] += 1
+            return _C.nn.linear_after_gelu(x, rec[1], w, b)
     _counts["linear"] += 1
     return _C.nn.linear(x, w, b)
+
+
+# GELU outputs made in the running Block: id(h) -> (weakref to h, pre, h's version, pre's version). Emptied when
+# the outermost Block run ends, so nothing here outlives the layer's forward.
+_gelus = {}
+
+
+def _gelu(args, kwargs):
+    out = torch._C._nn.gelu(*args, **kwargs)
+    x = args[0] if args else kwargs.get("input")
+    approximate = args[1] if len(args) > 1 else kwargs.get("approximate", "none")
+    if approximate == "tanh" and out.requires_grad and type(x) is torch.Tensor and x.dtype in _HALF:
+        _gelus[id(out)] = (weakref.ref(out), x, out._version, x._version)
+    return out
 
 
 def _layer_norm(args, kwargs):
@@ -218,6 +250,7 @@ def _cross_entropy(args, kwargs):
 
 
 _ROUTES = {torch._C._nn.linear: ("linear", _linear), F.layer_norm: ("layer_norm", _layer_norm),
+           torch._C._nn.gelu: ("gelu_linear", _gelu),
            torch._C._nn.scaled_dot_product_attention: ("attention", _attention),
            F.cross_entropy: ("cross_entropy", _cross_entropy)}
 
@@ -271,6 +304,8 @@ def run_routed(module, run):
             return run()
     finally:
         _tls.depth -= 1
+        if not _tls.depth:
+            _gelus.clear()
 
 
 def _is_compiled(module):

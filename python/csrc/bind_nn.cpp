@@ -1,5 +1,5 @@
-// bmtrain._C: the layer ops of the C++ nn (linear, layer_norm, gelu_mlp, linear_residual, causal_attention), so
-// Python's bmt.nn layers get the same kernels.
+// bmtrain._C: the layer ops of the C++ nn (linear, layer_norm, gelu_mlp, linear_after_gelu, linear_residual,
+// causal_attention), so Python's bmt.nn layers and the routed torch ops (torch_ops.py) get the same kernels.
 #include <pybind11/stl.h>
 
 #include <optional>
@@ -38,6 +38,13 @@ void bind_nn(py::module_& m) {
       },
       py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
       py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>());
+  nn.def(
+      "linear_after_gelu",
+      [opt](const at::Tensor& h, const at::Tensor& pre, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+        return bmt::nn::linear_after_gelu(h, pre, weight, opt(bias));
+      },
+      py::arg("input"), py::arg("pre"), py::arg("weight"), py::arg("bias") = py::none(),
+      py::call_guard<py::gil_scoped_release>());
   nn.def("linear_residual", &bmt::nn::linear_residual, py::arg("input"), py::arg("weight"), py::arg("bias"),
          py::arg("residual"), py::call_guard<py::gil_scoped_release>());
   nn.def("causal_attention", &bmt::nn::causal_attention, py::arg("query"), py::arg("key"), py::arg("value"),

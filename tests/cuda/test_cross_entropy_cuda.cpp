@@ -1,6 +1,7 @@
 // Fused cross-entropy on the GPU: the CUDA kernels against their CPU twin (statistics to fp32 rounding, gradients
 // to one unit in the last place of their dtype, in place or not, rows beyond the grid, elements past 2^31), and
 // the LibTorch layer on CUDA tensors against at::cross_entropy_loss, on a side stream.
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
@@ -196,4 +197,34 @@ TEST(FusedCrossEntropyCuda, BadTargetGivesNaNAndADeferredError) {
   at::Tensor rows = bmt::loss::fused_cross_entropy(x, good, none);
   EXPECT_FALSE(at::isnan(rows).any().item<bool>());
   EXPECT_NO_THROW(bmt::loss::check_pending_targets());
+}
+
+// The check's bookkeeping (first bad row, its target) stays on the device: with torch's sync debug mode set to
+// raise, the forward and backward of good and bad calls run through (a host read of a device value would throw).
+TEST(FusedCrossEntropyCuda, TargetCheckNeverSynchronises) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  bmt::loss::check_pending_targets();
+  at::Tensor x = at::randn({64, 11}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16)).requires_grad_();
+  at::Tensor good = at::randint(0, 11, {64}, at::TensorOptions().device(at::kCUDA).dtype(at::kLong));
+  at::Tensor bad = good.clone();
+  bad.index_put_({5}, 40);
+  auto& state = c10::cuda::warning_state();
+  const auto before = state.get_sync_debug_mode();
+  state.set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+  std::string error;
+  try {
+    for (int i = 0; i < 3; ++i) bmt::loss::fused_cross_entropy(x, good).backward();
+    bmt::loss::fused_cross_entropy(x, bad).backward();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  state.set_sync_debug_mode(before);
+  EXPECT_EQ(error, "") << "a host synchronisation in the cross-entropy's hot path";
+  std::string message;
+  try {
+    bmt::loss::check_pending_targets();
+  } catch (const bmt::core::Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("first target[5] = 40"), std::string::npos) << message;
 }

@@ -1,7 +1,7 @@
 // The cuBLASLt epilogue GEMMs against their CPU twin (fp64), every epilogue, bf16 and fp16, a Linear's weight
 // and an input gradient's layout, GPT-sized and odd shapes; the unsupported cases say so instead of computing;
 // nn::gelu_mlp / nn::linear_residual on the GPU (fused) against the separate ops (BMT_GEMM_EPILOGUES off) and
-// against torch's autograd in double.
+// against torch's autograd in double; nn::linear_after_gelu (the routed F.gelu -> F.linear) likewise.
 #include <gtest/gtest.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/autograd.h>
@@ -180,4 +180,35 @@ TEST(GemmEpilogueCuda, LinearResidualOnTheGpuMatchesDouble) {
     EXPECT_LT(err, 1e-2 * e.pow(2).mean().sqrt().item<double>()) << name;
   }
   EXPECT_TRUE(at::equal(r.grad(), gy));
+}
+
+// A user's F.gelu then F.linear (the routed torch ops): linear_after_gelu's gradient to the pre-activation through
+// the DGELU epilogue (2^22 outputs: the epilogue path) against the separate ops in bf16 and in double.
+TEST(GemmEpilogueCuda, LinearAfterGeluOnTheGpuMatchesTheSeparateOpsAndDouble) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(24);
+  const int64_t rows = 1024, dim = 768, hidden = 4096;
+  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const at::Tensor pre0 = at::randn({2, rows / 2, hidden}, opts), w0 = at::randn({dim, hidden}, opts) * 0.02;
+  const at::Tensor b0 = at::randn({dim}, opts) * 0.1, gy = at::randn({2, rows / 2, dim}, opts);
+  struct Run { at::Tensor y, dpre, dw, db; };
+  auto run = [&](bool fused, at::ScalarType st) {
+    auto leaf = [&](const at::Tensor& t) { return t.to(st).detach().clone().requires_grad_(true); };
+    at::Tensor pre = leaf(pre0), w = leaf(w0), b = leaf(b0);
+    const at::Tensor h = at::gelu(pre, "tanh");
+    at::Tensor y = fused ? bmt::nn::linear_after_gelu(h, pre, w, b) : at::linear(h, w, b);
+    EXPECT_EQ(fused, y.grad_fn()->name().find("LinearAfterGelu") != std::string::npos) << y.grad_fn()->name();
+    y.backward(gy.to(st));
+    return Run{y.detach(), pre.grad(), w.grad(), b.grad()};
+  };
+  const Run fused = run(true, at::kBFloat16), separate = run(false, at::kBFloat16), exact = run(false, at::kDouble);
+  EXPECT_TRUE(at::equal(fused.y, separate.y)) << "the forward is the plain linear";
+  auto rms = [](const at::Tensor& t) { return t.to(at::kDouble).pow(2).mean().sqrt().item<double>(); };
+  for (const auto& [name, f, s, e] : std::vector<std::tuple<std::string, at::Tensor, at::Tensor, at::Tensor>>{
+           {"d pre", fused.dpre, separate.dpre, exact.dpre}, {"dw", fused.dw, separate.dw, exact.dw},
+           {"db", fused.db, separate.db, exact.db}}) {
+    const double err_fused = rms(f.to(at::kDouble) - e), err_sep = rms(s.to(at::kDouble) - e), scale = rms(e);
+    EXPECT_LT(err_fused, 1.25 * err_sep + 1e-3 * scale) << name << ": fused " << err_fused << " separate " << err_sep;
+    EXPECT_LT(err_fused, 1e-2 * scale) << name << ": relative rms error " << err_fused / scale;
+  }
 }

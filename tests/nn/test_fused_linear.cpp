@@ -184,6 +184,41 @@ TEST(FusedLinearCpu, LinearResidualMatchesTorchAutograd) {
   EXPECT_TRUE(at::equal(r.grad(), gy));
 }
 
+// A user's F.gelu then F.linear: the fused node takes the gradient to the pre-activation (DGELU epilogue on the
+// CPU twin), against torch's autograd through at::gelu in double; h itself gets no gradient from this path.
+TEST(FusedLinearCpu, LinearAfterGeluMatchesTorchAutogradInDouble) {
+  at::manual_seed(8);
+  for (at::ScalarType st : {at::kFloat, at::kBFloat16}) {
+    const std::string what = c10::toString(st);
+    const double rel = st == at::kFloat ? 1e-5 : 1.0 / 32;
+    const Mlp m = make_mlp(st, 2, 5, 16, 40);
+    const at::Tensor pre0 = at::linear(m.x, m.w_fc, m.b_fc), gy = at::randn({2, 5, 16}).to(st);
+    at::Tensor pre = leaf(pre0), w = leaf(m.w_proj), b = leaf(m.b_proj);
+    const at::Tensor h = at::gelu(pre, "tanh");
+    const at::Tensor y = bmt::nn::linear_after_gelu_fused(h, pre, w, b);
+    y.backward(gy);
+    at::Tensor pred = leaf(pre0.to(at::kDouble)), wd = leaf(m.w_proj.to(at::kDouble)), bd = leaf(m.b_proj.to(at::kDouble));
+    const at::Tensor yd = at::linear(at::gelu(pred, "tanh"), wd, bd);
+    yd.backward(gy.to(at::kDouble));
+    EXPECT_TRUE(at::equal(y, at::linear(h, m.w_proj, m.b_proj))) << what << ": the forward is the plain linear on h";
+    expect_near(pre.grad(), pred.grad(), rel, what + " d pre");
+    expect_near(w.grad(), wd.grad(), rel, what + " dw");
+    expect_near(b.grad(), bd.grad(), rel, what + " db");
+  }
+  // Frozen weights: only the pre-activation's gradient; and a mismatched pre-activation is refused by name.
+  const Mlp m = make_mlp(at::kFloat, 1, 3, 8, 12);
+  at::Tensor pre = leaf(at::linear(m.x, m.w_fc, m.b_fc)), pre_ref = leaf(pre);
+  bmt::nn::linear_after_gelu_fused(at::gelu(pre, "tanh"), pre, m.w_proj, m.b_proj).sum().backward();
+  at::linear(at::gelu(pre_ref, "tanh"), m.w_proj, m.b_proj).sum().backward();
+  expect_near(pre.grad(), pre_ref.grad(), 1e-5, "d pre with frozen weights");
+  try {
+    bmt::nn::linear_after_gelu_fused(at::gelu(pre, "tanh"), pre.narrow(-1, 0, 6), m.w_proj, m.b_proj);
+    ADD_FAILURE() << "a pre-activation of another shape was accepted";
+  } catch (const bmt::core::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not match GELU's output"), std::string::npos) << e.what();
+  }
+}
+
 TEST(FusedLinearCpu, DispatchersOnCpuAreTheSeparateOps) {
   at::manual_seed(7);
   const Mlp m = make_mlp(at::kBFloat16, 2, 3, 8, 16);

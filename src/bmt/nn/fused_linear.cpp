@@ -146,6 +146,42 @@ struct LinearResidualFn : torch::autograd::Function<LinearResidualFn> {
   }
 };
 
+// y = h w^T + b, where the caller computed h = gelu_tanh(pre) (a user's F.gelu then F.linear): the forward is the
+// plain linear on h; the backward sends the gradient to pre, with GELU's gradient done by this GEMM's DGELU
+// epilogue instead of a pass of its own. h comes detached (no gradient goes through it).
+struct LinearAfterGeluFn : torch::autograd::Function<LinearAfterGeluFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& pre, const at::Tensor& weight,
+                            const at::Tensor& bias, const at::Tensor& h) {
+    const int64_t in = weight.size(1), out = weight.size(0);
+    const at::Tensor h2 = rows_of(h, in);
+    at::Tensor y = at::empty(with_last(h.sizes(), out), h.options());
+    at::Tensor y2 = y.view({-1, out});
+    at::addmm_out(y2, bias, h2, weight.t());
+    ctx->save_for_backward({pre, h2, weight});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &pre = saved[0], &h2 = saved[1], &weight = saved[2];
+    const at::Tensor dy2 = rows_of(grads[0], weight.size(0));
+    at::Tensor dpre, dw, db;
+    if (ctx->needs_input_grad(1)) dw = dy2.t().mm(h2);
+    if (ctx->needs_input_grad(2)) db = column_sum(dy2, weight.scalar_type());
+    if (ctx->needs_input_grad(0)) {
+      const at::Tensor pre2 = rows_of(pre, weight.size(1));
+      bool done = false;
+      if (gelu_mlp_backward() != GeluMlpBackward::kSeparate && (!pre2.is_cuda() || pre2.numel() >= kDGeluMinOutputs)) {
+        dpre = at::empty_like(pre2);
+        done = run_gemm(k::GemmEpilogue::kDGelu, dy2, weight.contiguous(), false, dpre, at::Tensor(), pre2, at::Tensor());
+      }
+      if (!done) dpre = at::gelu_backward(dy2.mm(weight), pre2, "tanh");
+      dpre = dpre.view(pre.sizes());
+    }
+    return {dpre, dw, db, at::Tensor()};
+  }
+};
+
 bool half_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
 void check_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const char* op, const char* what) {
@@ -252,6 +288,24 @@ at::Tensor gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tenso
                             residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt);
   at::Tensor y = linear(at::gelu(linear(x, w_fc, b_fc), "tanh"), w_proj, b_proj);
   return residual.defined() ? residual + y : y;
+}
+
+at::Tensor linear_after_gelu_fused(const at::Tensor& h, const at::Tensor& pre, const at::Tensor& weight,
+                                  const at::Tensor& bias) {
+  check_linear(h, weight, bias, "nn::linear_after_gelu", "the linear");
+  BMT_CHECK(pre.defined() && pre.sizes() == h.sizes(), "nn::linear_after_gelu: the pre-activation ",
+            pre.defined() ? pre.sizes() : at::IntArrayRef(), " does not match GELU's output ", h.sizes());
+  check_same_kind({&h, &pre, &weight, &bias}, "nn::linear_after_gelu_fused");
+  return LinearAfterGeluFn::apply(pre, weight, bias, h.detach());
+}
+
+at::Tensor linear_after_gelu(const at::Tensor& h, const at::Tensor& pre, const at::Tensor& weight,
+                             const at::Tensor& bias) {
+  if (bias.defined() && weight.defined() && weight.dim() == 2 && pre.defined() && pre.sizes() == h.sizes() &&
+      fused_path_applies({&h, &pre, &weight, &bias}) && (pre.requires_grad() || weight.requires_grad() ||
+                                                         bias.requires_grad()))
+    return linear_after_gelu_fused(h, pre, weight, bias);
+  return linear(h, weight, bias);
 }
 
 at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,

@@ -12,10 +12,11 @@ def make_classes(Base, param):
     """A GPT layer as a BMTrain user writes it, over a base class and a parameter factory (bmt or torch)."""
 
     class Layer(Base):
-        def __init__(self, dim, heads, seed, dtype=torch.float32, gqa=False, scale=None):
+        def __init__(self, dim, heads, seed, dtype=torch.float32, gqa=False, scale=None, gelu_variant="tanh"):
             super().__init__()
             self.heads, self.kv_heads = heads, heads // 2 if gqa else heads
             self.scale = scale
+            self.gelu_variant = gelu_variant  # tanh; erf (approximate="none"); inplace (tanh, then h.mul_(1.0))
             kv = dim // heads * self.kv_heads
             g = torch.Generator().manual_seed(seed)
 
@@ -41,7 +42,9 @@ def make_classes(Base, param):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
             x = x + F.linear(y.transpose(1, 2).reshape(B, T, C), self.proj_w, self.proj_b)
             h = F.gelu(F.linear(F.layer_norm(x, (C,), self.ln2_w, self.ln2_b), self.fc_w, self.fc_b),
-                       approximate="tanh")
+                       approximate="none" if self.gelu_variant == "erf" else "tanh")
+            if self.gelu_variant == "inplace":
+                h = h.mul_(1.0)
             return x + F.linear(h, self.out_w, self.out_b)
 
     class LM(Base):

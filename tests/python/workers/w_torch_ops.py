@@ -37,19 +37,33 @@ def expect_counts(counts, want_routed, ops=("linear", "layer_norm", "attention")
 
 # --------------------------------------------------------------------------------------------- layer routes
 
-def _layers_vs_plain(use_checkpoint, **layer_kw):
+class CastInput(torch.nn.Module):
+    """model(x.to(dtype)).float(): half-precision layers under the fp32 twin checks (same names on both sides)."""
+
+    def __init__(self, inner, dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, x):
+        return self.inner(x.to(self.dtype)).float()
+
+
+def _layers_vs_plain(use_checkpoint, rtol=None, atol=None, **layer_kw):
     dim, heads, n = 32, 4, 3
     model = bmt.TransformerBlockList([bmt.Block(BLayer(dim, heads, 10 + i, **layer_kw), use_checkpoint=use_checkpoint)
                                       for i in range(n)])
     ref = RefList([TLayer(dim, heads, 10 + i, **layer_kw) for i in range(n)])
     load_into_ref(model, ref)
+    dtype = layer_kw.get("dtype", torch.float32)
+    if dtype != torch.float32:  # the cases' inputs are fp32: both models take them in their own dtype
+        model, ref = CastInput(model, dtype), CastInput(ref, dtype)
     bmt.torch_ops.routed_counts(reset=True)
     # fp32 on CPUs: the same kernels, so CPU-level tolerances. On GPUs the engine's attention is the fused kernel
     # torch's SDPA picks for it (cuDNN/flash) while the plain twin's SDPA may pick another (efficient/math): fp32
     # sums in another order, ~1e-6 absolute at these magnitudes (measured 2.9e-6 on an H200).
     tol = (1e-4, 2e-5) if device().type == "cuda" else (1e-5, 1e-6)
-    check_twins_simple(model, ref, (2, 8, dim), what=f"checkpoint={use_checkpoint} {layer_kw} ", rtol=tol[0],
-                       atol=tol[1])
+    check_twins_simple(model, ref, (2, 8, dim), what=f"checkpoint={use_checkpoint} {layer_kw} ", rtol=rtol or tol[0],
+                       atol=atol or tol[1])
     return bmt.torch_ops.routed_counts(reset=True)
 
 
@@ -81,6 +95,31 @@ def attention_variants():
     counts = _layers_vs_plain(False, scale=0.3)
     if counts["attention"] != 0:
         raise AssertionError(f"SDPA with scale 0.3 was routed ({counts}); the engine's attention has the default scale")
+
+
+@case
+def gelu_then_linear_takes_the_fused_backward():
+    """bf16 layers: the MLP's F.linear on F.gelu(approximate="tanh")'s output goes to linear_after_gelu (gradient to
+    the pre-activation), once per layer in each run that records the graph; output and every gradient equal the plain bf16 twin's. Not taken
+    when the GELU output was changed in place, for the erf GELU, or with the route switched off."""
+    if ROUTE_OFF:
+        raise Skip("routing is off for this launch")
+    # (CUDA shapes this small run the separate GELU gradient inside the fused node: torch's math, so one tolerance)
+    tol = dict(rtol=2e-2, atol=2e-3)
+    for ckpt in (False, True):
+        counts = _layers_vs_plain(ckpt, dtype=torch.bfloat16, **tol)
+        # a checkpointed Block's first run records no graph (12 plain linears); its recompute fuses like a plain run
+        want = {"gelu_linear": 3, "linear": 9 + (12 if ckpt else 0)}
+        if {k: counts[k] for k in want} != want:
+            raise AssertionError(f"checkpoint={ckpt}: expected {want}, got {counts}")
+    for variant in ("inplace", "erf"):
+        counts = _layers_vs_plain(False, dtype=torch.bfloat16, gelu_variant=variant, **tol)
+        if counts["gelu_linear"] != 0 or counts["linear"] != 12:
+            raise AssertionError(f"GELU {variant}: the fused path was taken ({counts})")
+    with bmt.torch_ops.routing(False, ops=["gelu_linear"]):
+        counts = _layers_vs_plain(False, dtype=torch.bfloat16, **tol)
+        if counts["gelu_linear"] != 0 or counts["linear"] != 12:
+            raise AssertionError(f"route gelu_linear off: {counts}")
 
 
 @case
