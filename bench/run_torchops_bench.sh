@@ -9,7 +9,8 @@
 #   TORCHOPS_FRAMEWORKS="bmtpy fsdp2 plain bmt"   which rows per config (offload: bmtpy and bmt only)
 #   TORCHOPS_COMPILE=1      after the eager rows, 124m with --compile for bmtpy and fsdp2 (0: none)
 #   TORCHOPS_ABLATE=1       then 124m and 1p3b_ckpt on the package with BMT_ROUTE_TORCH_OPS=0 (variant no-route)
-#                           and with BMT_STEP_IN_BACKWARD=0 (variant no-sib) (0: none)
+#                           with BMT_STEP_IN_BACKWARD=0 (variant no-sib) and without the gelu_linear route
+#                           (variant no-gelu-linear) (0: none)
 #   TORCHOPS_BUDGET_S=560   wall-clock budget; a run starts only while >= 40 s remain, its timeout is what is left
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
 # The C++ engine's rows use its own best settings per config (124m --cuda-graphs; checkpointed configs
@@ -109,6 +110,8 @@ if [ "${TORCHOPS_ABLATE:-1}" = 1 ]; then
     shape_of "$cfg"
     run_one "bmtpy_noroute_$cfg" py "$CANON" env BMT_ROUTE_TORCH_OPS=0 "${PY[@]}" --framework bmtrain $P --variant no-route
     run_one "bmtpy_nosib_$cfg" py "$CANON" env BMT_STEP_IN_BACKWARD=0 "${PY[@]}" --framework bmtrain $P --variant no-sib
+    run_one "bmtpy_nogl_$cfg" py "$CANON" env BMT_ROUTE_TORCH_OPS=linear,layer_norm,attention,cross_entropy \
+      "${PY[@]}" --framework bmtrain $P --variant no-gelu-linear
   done
 fi
 if [ "${TORCHOPS_COMPILE:-1}" = 1 ]; then

@@ -206,7 +206,7 @@ void arm_pending_check(const at::Tensor& bad, const at::Tensor& target, int64_t 
   }
   at::Tensor first = bad.numel() > 0 ? bad.to(at::kByte).argmax() : at::zeros({}, target.options());
   // (index_select, not index({first}): indexing by a 0-dim tensor reads it on the host, a sync in the forward)
-  at::Tensor value = bad.numel() > 0 ? target.reshape({-1}).index_select(0, first.view({1})).view({})
+  at::Tensor value = bad.numel() > 0 ? target.reshape({-1}).index_select(0, first.reshape({1})).squeeze(0)
                                      : at::zeros({}, target.options());
   c.verdict.copy_(at::stack({bad.sum(), first, value}), /*non_blocking=*/true);
   c.done->record(c10::cuda::getCurrentCUDAStream(target.device().index()));
