@@ -206,6 +206,10 @@ std::vector<at::Tensor> CudaGraphStep::operator()(const std::vector<at::Tensor>&
     signature_ = sig;
   }
 
+  // A replayed graph launches its collectives without asking the communicators: ask them here (a peer that died
+  // aborted them; replaying on an aborted communicator would run on freed NCCL state).
+  if (is_initialized()) check_communicators_alive(config(), "CudaGraphStep");
+
   if (im.graph) {  // replay
     SideStreamScope scope(im.side);
     for (size_t i = 0; i < inputs.size(); ++i) im.static_inputs[i].copy_(inputs[i]);

@@ -20,6 +20,10 @@
 // and joined back at its end, and replays it; later calls copy the inputs and replay. The returned tensors are
 // copies of the graph's outputs (a replay overwrites the originals).
 //
+// Failures: a replay launches its collectives without calling the communicators, so each call first asks them
+// (check_communicators_alive: aborted by the NCCL watchdog, or a peer-monitor verdict) and raises DistError naming
+// the dead rank instead of replaying on aborted NCCL state.
+//
 // Fallback: a call whose signature differs from the captured one drops the graph and starts over (warm-up, then
 // capture). A call inside GradSyncGuard (deferred reduction) or while an optimizer update is pending
 // (AdamOffloadOptimizer::set_async_step) runs eagerly. On a CPU device, or in a build without CUDA, every call runs

@@ -259,6 +259,19 @@ const Config& config() {
 int world_size() { return config().world_size; }
 int rank() { return config().rank; }
 
+void check_communicators_alive(const Config& cfg, const char* what) {
+  if (!cfg.initialized) return;
+  for (const auto* c : {&cfg.comm, &cfg.zero_comm, &cfg.tp_comm, &cfg.tp_zero_comm, &cfg.pipe_comm})
+    if (*c) (*c)->check_async_error();  // (throws DistError with the recorded reason)
+  if (cfg.peer_monitor) {
+    const std::string verdict = cfg.peer_monitor->verdict();
+    if (!verdict.empty())
+      BMT_THROW_AS(core::DistError, what, " on rank ", cfg.rank, " of ", cfg.world_size, ": a peer rank failed (",
+                   verdict, "); the job cannot continue: restart it from the last checkpoint (the launcher's "
+                   "report names the rank's exit)");
+  }
+}
+
 void finalize(bool barrier) {
   if (!g_config.initialized) return;
   if (barrier && g_config.comm) g_config.comm->barrier();

@@ -117,6 +117,11 @@ bool is_initialized();
 const Config& config();
 int world_size();
 int rank();
+// Raises DistError when one of cfg's communicators was aborted (a dead or stopped peer, a timeout) or the peer
+// monitor has a verdict: cheap, no host synchronisation. For host code that launches collectives without calling
+// the communicators (a replayed CUDA graph holds its NCCL kernels): replaying on an aborted communicator is
+// undefined, so it must fail here instead. `what` names the caller in the message.
+void check_communicators_alive(const Config& cfg, const char* what);
 // Destroys the communicators (after a barrier when `barrier` is true). Safe to call twice; runs at exit.
 void finalize(bool barrier = true);
 
