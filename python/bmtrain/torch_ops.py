@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import _C
+from . import _C, recompute_tail
 
 OPS = ("linear", "layer_norm", "attention", "cross_entropy", "gelu_linear")
 _ENV = "BMT_ROUTE_TORCH_OPS"
@@ -130,14 +130,23 @@ def _linear(args, kwargs):
         return NotImplemented
     if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and _plain(x, w, b)) or w.dim() != 2:
         return NotImplemented
+    # in a checkpointed Block's recompute: the node without its GEMM until the output is read (recompute_tail.py)
+    defer = b is not None and recompute_tail.active()
     if _gelus:
         rec = _gelus.get(id(x))
         # the GELU output as it was made (same tensor, neither it nor the pre-activation changed in place since)
         if (rec is not None and rec[0]() is x and x._version == rec[2] and rec[1]._version == rec[3]
                 and "gelu_linear" in _on()):
             _counts["gelu_linear"] += 1
-            return _C.nn.linear_after_gelu(x, rec[1], w, b)
+            y = _C.nn.linear_after_gelu(x, rec[1], w, b, not defer)
+            if defer:
+                recompute_tail.defer_linear(x, w, b, y)
+            return y
     _counts["linear"] += 1
+    if defer:
+        y = _C.nn.linear_deferred(x, w, b)
+        recompute_tail.defer_linear(x, w, b, y)
+        return y
     return _C.nn.linear(x, w, b)
 
 
@@ -265,6 +274,10 @@ class _RoutingMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if recompute_tail._deferred:  # a deferred tail linear's output (or an addition of it) is used
+            out = recompute_tail.intercept(func, args, kwargs)
+            if out is not None:
+                return out
         route = _ROUTES.get(func)
         if route is None or not self.live or torch.compiler.is_compiling():
             out = func(*args, **kwargs)
@@ -300,8 +313,15 @@ def run_routed(module, run):
     try:
         if not _on() or _is_compiled(module):
             return run()
-        with _RoutingMode(layers=True):
-            return run()
+        prev = recompute_tail.begin(_tls.depth)
+        out, completed = None, False
+        try:
+            with _RoutingMode(layers=True):
+                out = run()
+            completed = True
+        finally:
+            recompute_tail.end(prev, out, completed)
+        return out
     finally:
         _tls.depth -= 1
         if not _tls.depth:

@@ -6,6 +6,7 @@
 
 #include "bmt/engine/block.h"
 #include "bmt/engine/block_list.h"
+#include "bmt/engine/recompute_keep.h"
 #include "py_support.h"
 
 namespace bmt::python {
@@ -25,6 +26,9 @@ BlockForward python_forward(py::object fn) {
 }  // namespace
 
 void bind_block(py::module_& m) {
+  // 0 outside a checkpointed Block's forward, 1 its first run (keeping values), 2 the backward's recompute
+  // (engine/recompute_keep.h); read by torch_ops.py.
+  m.def("recompute_phase", [] { return static_cast<int>(recompute_phase()); });
   py::class_<Block, std::shared_ptr<Block>>(m, "Block")
       .def(py::init([](std::shared_ptr<torch::nn::Module> holder, py::object forward_fn, int zero_level,
                        bool use_checkpoint, py::object reduce_dtype, const std::string& reduce_op) {

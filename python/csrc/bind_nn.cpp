@@ -40,11 +40,20 @@ void bind_nn(py::module_& m) {
       py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>());
   nn.def(
       "linear_after_gelu",
-      [opt](const at::Tensor& h, const at::Tensor& pre, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-        return bmt::nn::linear_after_gelu(h, pre, weight, opt(bias));
-      },
-      py::arg("input"), py::arg("pre"), py::arg("weight"), py::arg("bias") = py::none(),
+      [opt](const at::Tensor& h, const at::Tensor& pre, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+            bool compute) { return bmt::nn::linear_after_gelu(h, pre, weight, opt(bias), compute); },
+      py::arg("input"), py::arg("pre"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("compute") = true,
       py::call_guard<py::gil_scoped_release>());
+  // A checkpointed Block's recompute of a linear whose output only becomes the Block's output (torch_ops.py):
+  // the node without its GEMM, and the GEMM into that output should it be read after all.
+  nn.def("linear_deferred", &bmt::nn::linear_deferred, py::arg("input"), py::arg("weight"), py::arg("bias"),
+         py::call_guard<py::gil_scoped_release>());
+  nn.def(
+      "linear_fill",
+      [opt](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& out) {
+        bmt::nn::linear_fill(x, weight, opt(bias), out);
+      },
+      py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   nn.def("linear_residual", &bmt::nn::linear_residual, py::arg("input"), py::arg("weight"), py::arg("bias"),
          py::arg("residual"), py::call_guard<py::gil_scoped_release>());
   nn.def("causal_attention", &bmt::nn::causal_attention, py::arg("query"), py::arg("key"), py::arg("value"),

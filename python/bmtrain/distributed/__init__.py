@@ -13,7 +13,7 @@ sum of every rank's loss: bmt/distributed.h); docs/python.md lists the differenc
 """
 import torch
 
-from .. import _C
+from .. import _C, recompute_tail
 
 
 def _size(comm):
@@ -94,28 +94,33 @@ class _Broadcast(torch.autograd.Function):
 
 def all_gather(x, comm=None):
     """(ws, *x.shape): every rank's x stacked along a new first dim. Backward: this rank's slice of the gradient."""
+    recompute_tail.materialize(x)  # (a recompute's deferred value: computed before the collective reads it)
     return _AllGather.apply(x, comm)
 
 
 def all_reduce(x, op="sum", comm=None):
     """op in sum, avg, max, min, prod; backward as BMTrain's (module docstring)."""
+    recompute_tail.materialize(x)  # (a recompute's deferred value: computed before the collective reads it)
     _check_op(op, "all_reduce")
     return _AllReduce.apply(x, op, comm)
 
 
 def reduce_scatter(x, op="sum", comm=None):
     """x.shape[0] must be divisible by the group size; returns (x.shape[0] / ws, ...)."""
+    recompute_tail.materialize(x)  # (a recompute's deferred value: computed before the collective reads it)
     _check_op(op, "reduce_scatter")
     return _ReduceScatter.apply(x, op, comm)
 
 
 def broadcast(x, src, comm=None):
     """The root `src`'s x on every rank; backward: the gradient summed over the group, on every rank."""
+    recompute_tail.materialize(x)  # (a recompute's deferred value: computed before the collective reads it)
     return _Broadcast.apply(x, src, comm)
 
 
 def send_activations(hidden_state, next_rank, comm):
     """Sends a tensor with its shape and dtype to `next_rank` of `comm` (not differentiable)."""
+    recompute_tail.materialize(hidden_state)  # (a recompute's deferred value: computed before the collective reads it)
     _C.send_activations(hidden_state.contiguous(), next_rank, comm)
 
 

@@ -2,7 +2,7 @@
 vocabulary-parallel mode without full logits)."""
 import torch
 
-from .. import _C
+from .. import _C, recompute_tail
 from . import _function  # noqa: F401  (BMTrain's bmtrain.loss._function)
 
 
@@ -26,6 +26,7 @@ class FusedCrossEntropy(torch.nn.Module):
         self.label_smoothing, self.parallel, self.inplace = label_smoothing, parallel, inplace
 
     def forward(self, input, target):
+        recompute_tail.materialize(input)  # (a loss inside a checkpointed Block: computed before the engine reads it)
         if self.weight is None:
             return _C.fused_cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing,
                                           self.parallel, self.inplace)

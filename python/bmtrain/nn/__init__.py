@@ -7,16 +7,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import _C
+from .. import _C, recompute_tail
 from ..global_var import config
 from ..layer import DistributedModule
 from ..parameter import DistributedParameter, ParameterInitializer
 
-_tp = _C.tp
+_tp = recompute_tail.Materializing(_C.tp)  # (a recompute's deferred inputs computed first)
 # The engine's layer ops (Linear, ColumnParallelLinear and LayerNorm call them): torch's on CPU and under autocast;
 # on CUDA our bias / LayerNorm gradient reductions (BMT_FUSED_REDUCTIONS=0: torch's). _nn.gelu_mlp and
 # _nn.linear_residual (the GEMM-epilogue MLP, BMT_GEMM_EPILOGUES=0: separate ops) are there for user models.
-_nn = _C.nn
+_nn = recompute_tail.Materializing(_C.nn)
 
 
 def causal_attention(query, key, value):

@@ -150,13 +150,13 @@ struct LinearResidualFn : torch::autograd::Function<LinearResidualFn> {
 // plain linear on h; the backward sends the gradient to pre, with GELU's gradient done by this GEMM's DGELU
 // epilogue instead of a pass of its own. h comes detached (no gradient goes through it).
 struct LinearAfterGeluFn : torch::autograd::Function<LinearAfterGeluFn> {
+  // compute = false: y is allocated, not computed (nn::linear_fill writes it; see linear_deferred)
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& pre, const at::Tensor& weight,
-                            const at::Tensor& bias, const at::Tensor& h) {
+                            const at::Tensor& bias, const at::Tensor& h, bool compute) {
     const int64_t in = weight.size(1), out = weight.size(0);
     const at::Tensor h2 = rows_of(h, in);
     at::Tensor y = at::empty(with_last(h.sizes(), out), h.options());
-    at::Tensor y2 = y.view({-1, out});
-    at::addmm_out(y2, bias, h2, weight.t());
+    if (compute) linear_fill(h2, weight, bias, y);
     ctx->save_for_backward({pre, h2, weight});
     return y;
   }
@@ -178,7 +178,7 @@ struct LinearAfterGeluFn : torch::autograd::Function<LinearAfterGeluFn> {
       if (!done) dpre = at::gelu_backward(dy2.mm(weight), pre2, "tanh");
       dpre = dpre.view(pre.sizes());
     }
-    return {dpre, dw, db, at::Tensor()};
+    return {dpre, dw, db, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -291,20 +291,21 @@ at::Tensor gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tenso
 }
 
 at::Tensor linear_after_gelu_fused(const at::Tensor& h, const at::Tensor& pre, const at::Tensor& weight,
-                                  const at::Tensor& bias) {
+                                  const at::Tensor& bias, bool compute) {
   check_linear(h, weight, bias, "nn::linear_after_gelu", "the linear");
   BMT_CHECK(pre.defined() && pre.sizes() == h.sizes(), "nn::linear_after_gelu: the pre-activation ",
             pre.defined() ? pre.sizes() : at::IntArrayRef(), " does not match GELU's output ", h.sizes());
   check_same_kind({&h, &pre, &weight, &bias}, "nn::linear_after_gelu_fused");
-  return LinearAfterGeluFn::apply(pre, weight, bias, h.detach());
+  return LinearAfterGeluFn::apply(pre, weight, bias, h.detach(), compute);
 }
 
 at::Tensor linear_after_gelu(const at::Tensor& h, const at::Tensor& pre, const at::Tensor& weight,
-                             const at::Tensor& bias) {
+                             const at::Tensor& bias, bool compute) {
   if (bias.defined() && weight.defined() && weight.dim() == 2 && pre.defined() && pre.sizes() == h.sizes() &&
       fused_path_applies({&h, &pre, &weight, &bias}) && (pre.requires_grad() || weight.requires_grad() ||
                                                          bias.requires_grad()))
-    return linear_after_gelu_fused(h, pre, weight, bias);
+    return linear_after_gelu_fused(h, pre, weight, bias, compute);
+  if (!compute && bias.defined()) return linear_deferred(h, weight, bias);
   return linear(h, weight, bias);
 }
 

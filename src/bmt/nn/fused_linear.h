@@ -22,9 +22,10 @@ at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const 
 // y = h w^T + b for h = gelu_tanh(pre) that the caller already computed from pre (a user's F.gelu(approximate=
 // "tanh") then F.linear): the same forward as linear(h, w, b); in the backward the gradient goes to pre, GELU's
 // gradient done by the GEMM's DGELU epilogue (no separate pass over the hidden activations). The caller
-// guarantees h == gelu_tanh(pre). Off the fused path (see above), linear(h, w, b).
+// guarantees h == gelu_tanh(pre). Off the fused path (see above), linear(h, w, b). compute = false: the node
+// without its forward GEMM, as nn::linear_deferred (the output's values undefined until nn::linear_fill).
 at::Tensor linear_after_gelu(const at::Tensor& h, const at::Tensor& pre, const at::Tensor& weight,
-                             const at::Tensor& bias);
+                             const at::Tensor& bias, bool compute = true);
 
 // The fused autograd functions on any device, whatever the switch (CPU: the epilogue GEMMs' CPU twin, slow; for
 // tests). gelu_mlp_fused needs a residual; pass at::Tensor() for none.
@@ -33,7 +34,7 @@ at::Tensor gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at:
 at::Tensor linear_residual_fused(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                  const at::Tensor& residual);
 at::Tensor linear_after_gelu_fused(const at::Tensor& h, const at::Tensor& pre, const at::Tensor& weight,
-                                   const at::Tensor& bias);
+                                   const at::Tensor& bias, bool compute = true);
 
 // Default: on unless the environment sets BMT_GEMM_EPILOGUES=0.
 bool gemm_epilogues_enabled();

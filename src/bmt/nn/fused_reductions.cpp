@@ -61,16 +61,17 @@ void layer_norm_param_grads(const at::Tensor& dy2, const at::Tensor& x2, const a
 }
 
 struct LinearReducedBiasGradFn : torch::autograd::Function<LinearReducedBiasGradFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  // compute = false: y is allocated, not computed (linear_deferred).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                            bool compute) {
     ctx->save_for_backward({x, weight});
     // at::linear of a 3-D input returns a view of its 2-D GEMM result, and autograd forbids in-place ops on a view
     // made inside a custom Function (`y += b` in a user's forward): the GEMM writes into a fresh tensor instead.
-    if (x.dim() <= 2) return at::linear(x, weight, bias);
+    if (x.dim() <= 2 && compute) return at::linear(x, weight, bias);
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
     at::Tensor y = at::empty(sizes, x.options());
-    at::Tensor y2 = y.view({-1, weight.size(0)});
-    at::addmm_out(y2, bias, x.reshape({-1, weight.size(1)}), weight.t());
+    if (compute) linear_fill(x, weight, bias, y);
     return y;
   }
 
@@ -83,7 +84,7 @@ struct LinearReducedBiasGradFn : torch::autograd::Function<LinearReducedBiasGrad
     if (ctx->needs_input_grad(0)) dx = dy2.mm(weight).view(x.sizes());
     if (ctx->needs_input_grad(1)) dw = dy2.t().mm(x.reshape({-1, in}));
     if (ctx->needs_input_grad(2)) db = column_sum(dy2, weight.scalar_type());
-    return {dx, dw, db};
+    return {dx, dw, db, at::Tensor()};
   }
 };
 
@@ -155,7 +156,23 @@ at::Tensor linear_reduced_bias_grad(const at::Tensor& x, const at::Tensor& weigh
   BMT_CHECK(bias.defined(), "nn::linear_reduced_bias_grad: needs a bias");
   BMT_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
             "nn::linear_reduced_bias_grad: input ", x.sizes(), " does not match weight ", weight.sizes());
-  return LinearReducedBiasGradFn::apply(x, weight, bias);
+  return LinearReducedBiasGradFn::apply(x, weight, bias, true);
+}
+
+at::Tensor linear_deferred(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  BMT_CHECK(bias.defined(), "nn::linear_deferred: needs a bias");
+  BMT_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
+            "nn::linear_deferred: input ", x.sizes(), " does not match weight ", weight.sizes());
+  return LinearReducedBiasGradFn::apply(x, weight, bias, false);
+}
+
+void linear_fill(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& y) {
+  BMT_CHECK(y.is_contiguous() && y.size(-1) == weight.size(0) && y.numel() / weight.size(0) == x.numel() / x.size(-1),
+            "nn::linear_fill: output ", y.sizes(), " does not fit input ", x.sizes(), " and weight ", weight.sizes());
+  at::NoGradGuard no_grad;  // (y may need gradients: it is a deferred node's output)
+  at::Tensor y2 = y.view({-1, weight.size(0)});
+  if (bias.defined()) at::addmm_out(y2, bias, x.reshape({-1, weight.size(1)}), weight.t());
+  else at::mm_out(y2, x.reshape({-1, weight.size(1)}), weight.t());
 }
 
 at::Tensor layer_norm_reduced_param_grads(const at::Tensor& x, int64_t dim, const at::Tensor& weight,
@@ -184,7 +201,7 @@ bool fused_path_applies(const at::Tensor& x, const at::Tensor& weight, const at:
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const bool fused = fused_path_applies(x, weight, bias) && weight.dim() == 2;
-  return fused ? LinearReducedBiasGradFn::apply(x, weight, bias) : at::linear(x, weight, bias);
+  return fused ? LinearReducedBiasGradFn::apply(x, weight, bias, true) : at::linear(x, weight, bias);
 }
 
 at::Tensor layer_norm(const at::Tensor& x, int64_t dim, const at::Tensor& weight, const at::Tensor& bias, double eps) {

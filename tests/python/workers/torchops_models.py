@@ -12,11 +12,13 @@ def make_classes(Base, param):
     """A GPT layer as a BMTrain user writes it, over a base class and a parameter factory (bmt or torch)."""
 
     class Layer(Base):
-        def __init__(self, dim, heads, seed, dtype=torch.float32, gqa=False, scale=None, gelu_variant="tanh"):
+        def __init__(self, dim, heads, seed, dtype=torch.float32, gqa=False, scale=None, gelu_variant="tanh",
+                     tail="residual"):
             super().__init__()
             self.heads, self.kv_heads = heads, heads // 2 if gqa else heads
             self.scale = scale
             self.gelu_variant = gelu_variant  # tanh; erf (approximate="none"); inplace (tanh, then h.mul_(1.0))
+            self.tail = tail  # residual: x + F.linear(h); post_ln: a LayerNorm of that; view: that through a view
             kv = dim // heads * self.kv_heads
             g = torch.Generator().manual_seed(seed)
 
@@ -45,7 +47,12 @@ def make_classes(Base, param):
                        approximate="none" if self.gelu_variant == "erf" else "tanh")
             if self.gelu_variant == "inplace":
                 h = h.mul_(1.0)
-            return x + F.linear(h, self.out_w, self.out_b)
+            out = x + F.linear(h, self.out_w, self.out_b)
+            if self.tail == "post_ln":
+                return F.layer_norm(out, (C,), self.ln_w, self.ln_b, 1e-5)
+            if self.tail == "view":
+                return out.view(B * T, C).view(B, T, C)
+            return out
 
     class LM(Base):
         """Embedding, layers, final LayerNorm, tied projection: the model's output are the logits."""

@@ -1,0 +1,206 @@
+"""The recompute's tail linears: GEMMs whose results a checkpointed Block's recompute never reads (bmt.torch_ops).
+
+A checkpointed Block runs its forward again in the backward to rebuild the graph; the outputs of that recompute
+are only the roots of the backward (autograd needs their grad_fn, not their values). In a GPT layer written with
+torch's ops the output is `x + F.linear(h, w_proj, b_proj)`: in the recompute that GEMM (a third of the layer's
+forward FLOPs, ~6% of a checkpointed 1.3B step) computes values nobody reads.
+
+While a recompute runs (and the switch is on), a routed F.linear with a bias returns its output *deferred*: the
+autograd node without the GEMM (_C.nn.linear_deferred, or linear_after_gelu(compute=False)), the values undefined.
+Every later call the routing mode sees that takes a deferred tensor first computes it (_C.nn.linear_fill: the same
+GEMM), except an addition of two tensors, whose result is deferred in turn (computed on the undefined values now,
+computed again from its operands if it is used). When the Block's run ends, a deferred tensor that is one of the
+Block's outputs, or only feeds such outputs through additions, stays uncomputed; every other one is computed then
+(saved or stored values are correct before any backward reads them).
+
+What the mode cannot see is a C++ extension called with a deferred tensor: it would read undefined values. bmtrain's
+own layers and losses compute their inputs first (materialize()); BMT_RECOMPUTE_SKIP_TAIL=0 (or set_enabled(False))
+turns the whole mechanism off. Default: on.
+"""
+import os
+import threading
+import weakref
+
+import torch
+
+from . import _C
+
+_ENV = "BMT_RECOMPUTE_SKIP_TAIL"
+_enabled = None
+_ADD_FUNCS = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.add, torch.add}
+# calls that read no values: they neither compute a deferred tensor nor make its result deferred
+_METADATA = {f for f in (getattr(getattr(torch.Tensor, name, None), "__get__", None) for name in (
+    "shape", "dtype", "device", "requires_grad", "is_cuda", "ndim", "grad_fn", "is_leaf", "layout"))
+    if f is not None} | {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride,
+                         torch.Tensor.is_contiguous}
+
+
+def enabled():
+    global _enabled
+    if _enabled is None:
+        v = os.environ.get(_ENV, "1").strip().lower()
+        if v not in ("", "0", "1", "on", "off", "true", "false"):
+            raise ValueError(f"{_ENV}={v!r}: use 1 (on, the default) or 0 (off)")
+        _enabled = v not in ("0", "off", "false")
+    return _enabled
+
+
+def set_enabled(on):
+    """Turns the deferral on or off (returns the previous setting)."""
+    global _enabled
+    prev = enabled()
+    _enabled = bool(on)
+    return prev
+
+
+class _Entry:
+    __slots__ = ("ref", "fill", "operands", "consumers")
+
+    def __init__(self, tensor, fill, operands=()):
+        self.ref = weakref.ref(tensor)
+        self.fill = fill              # fill(tensor): writes its values
+        self.operands = list(operands)  # keys of deferred tensors an addition read
+        self.consumers = []           # keys of deferred additions that read this one
+
+
+_tls = threading.local()  # active: a recompute at the outermost routed run of this thread
+_deferred = {}            # id(tensor) -> _Entry, while a recompute runs
+counts = {"deferred": 0, "skipped": 0}  # linears deferred, and of those never computed (tests, benchmarks)
+
+
+def active():
+    return getattr(_tls, "active", False)
+
+
+def begin(depth):
+    """At the start of a routed Block run (depth: 1 for the outermost): returns the previous state for end()."""
+    prev = active()
+    _tls.active = depth == 1 and enabled() and _C.recompute_phase() == 2
+    return prev
+
+
+def _key_of(t):
+    e = _deferred.get(id(t))
+    return id(t) if e is not None and e.ref() is t else None
+
+
+def defer_linear(x, w, b, y):
+    """Registers y, a routed linear's deferred output (x, w, b: what linear_fill needs)."""
+    _deferred[id(y)] = _Entry(y, lambda out: _C.nn.linear_fill(x, w, b, out))
+    counts["deferred"] += 1
+
+
+def _compute(key):
+    e = _deferred.pop(key, None)
+    if e is None:
+        return
+    for k in e.operands:  # an addition: its deferred operands first
+        _compute(k)
+    t = e.ref()
+    if t is not None:
+        e.fill(t)
+
+
+def materialize(*tensors):
+    """Computes any deferred tensor among `tensors` (for code the routing mode does not see)."""
+    if not _deferred:
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            k = _key_of(t)
+            if k is not None:
+                _compute(k)
+
+
+def _tensor_keys(args, kwargs):
+    keys = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            k = _key_of(a)
+            if k is not None:
+                keys.append(k)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    k = _key_of(b)
+                    if k is not None:
+                        keys.append(k)
+    return keys
+
+
+def intercept(func, args, kwargs):
+    """Called by the routing mode for every call while something is deferred: returns the call's result when it
+    handled it (a deferred addition), else None after computing the deferred inputs."""
+    if func in _METADATA:
+        return None
+    keys = _tensor_keys(args, kwargs)
+    if not keys:
+        return None
+    if (func in _ADD_FUNCS and not kwargs and len(args) == 2 and all(isinstance(a, torch.Tensor) for a in args)
+            and active()):
+        out = func(*args)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            def redo(t, func=func, args=args):
+                with torch.no_grad():
+                    t.copy_(func(*args))
+            _deferred[id(out)] = _Entry(out, redo, keys)
+            for k in keys:
+                _deferred[k].consumers.append(id(out))
+            return out
+        for k in keys:  # (not a graph value: compute the inputs and this result again)
+            _compute(k)
+        return func(*args)
+    for k in keys:
+        _compute(k)
+    return None
+
+
+def end(prev, outputs, completed=True):
+    """At the end of the routed run begun with begin(): leaves uncomputed what only feeds `outputs` (the Block's
+    output tensors), computes every other deferred tensor, restores the previous state. completed=False (the run
+    raised): only forgets what was deferred."""
+    try:
+        if active() and _deferred and completed:
+            keep = set()
+            for o in outputs or ():
+                if isinstance(o, torch.Tensor):
+                    k = _key_of(o)
+                    if k is not None:
+                        keep.add(k)
+            grown = True
+            while grown:  # operands whose every consumer is kept
+                grown = False
+                for k, e in _deferred.items():
+                    if k not in keep and e.consumers and all(c in keep for c in e.consumers):
+                        keep.add(k)
+                        grown = True
+            counts["skipped"] += sum(1 for k in keep if not _deferred[k].operands)
+            for k in [k for k in _deferred if k not in keep]:
+                _compute(k)
+    finally:
+        if active():
+            _deferred.clear()
+        _tls.active = prev
+
+
+class Materializing:
+    """A bmtrain._C submodule whose functions compute their deferred tensor arguments first (bmt.nn's layers call
+    the engine's ops directly, where the routing mode does not see them)."""
+
+    def __init__(self, module):
+        self._module = module
+        self._calls = {}
+
+    def __getattr__(self, name):
+        call = self._calls.get(name)
+        if call is None:
+            f = getattr(self._module, name)
+            if not callable(f):
+                return f
+
+            def call(*args, _f=f, **kwargs):
+                if _deferred:
+                    materialize(*args, *kwargs.values())
+                return _f(*args, **kwargs)
+            self._calls[name] = call
+        return call
