@@ -54,4 +54,5 @@ from .store import (save, load, save_checkpoint, load_checkpoint, load_hf_safete
 from .utils import print_block, print_dict, print_rank, see_memory, main_grad, load_nccl_pypi  # noqa: E402
 from .wrapper import BMTrainModelWrapper  # noqa: E402
 from .estimate import estimate_memory  # noqa: E402
-from . import debug, distributed, nn, loss, optim, lr_scheduler, benchmark, inspect, nccl, zero_context, torch_ops, recompute_tail  # noqa: E402,F401
+from . import debug, distributed, nn, loss, optim, lr_scheduler, benchmark, inspect, nccl, zero_context  # noqa: E402,F401
+from . import torch_ops, recompute_tail  # noqa: E402,F401
