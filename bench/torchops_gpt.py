@@ -348,7 +348,8 @@ def main():
     if bmt is not None:
         counts = bmt.torch_ops.routed_counts()
         extra = {"routed_calls": counts, "routed_ops": sorted(bmt.torch_ops.routed_ops()),
-                 "step_in_backward": bool(manager.step_in_backward_active)}
+                 "step_in_backward": bool(manager.step_in_backward_active),
+                 "recompute_tail": dict(bmt.recompute_tail.counts)}
     mfu = tokens_per_s * flops_per_token / PEAK_FLOPS if cuda else None
     if rank0:
         print(f"torchops_gpt: setup {t_setup:.1f} s, warm-up {a.warmup} steps {t_warmup:.1f} s; "
