@@ -9,8 +9,8 @@
 #   TORCHOPS_FRAMEWORKS="bmtpy fsdp2 plain bmt"   which rows per config (offload: bmtpy and bmt only)
 #   TORCHOPS_COMPILE=1      after the eager rows, 124m with --compile for bmtpy and fsdp2 (0: none)
 #   TORCHOPS_ABLATE=1       then 124m and 1p3b_ckpt on the package with BMT_ROUTE_TORCH_OPS=0 (variant no-route)
-#                           with BMT_STEP_IN_BACKWARD=0 (variant no-sib) and without the gelu_linear route
-#                           (variant no-gelu-linear) (0: none)
+#                           with BMT_STEP_IN_BACKWARD=0 (variant no-sib), without the gelu_linear route
+#                           (variant no-gelu-linear) and, checkpointed, BMT_RECOMPUTE_SKIP_TAIL=0 (no-skip-tail)
 #   TORCHOPS_BUDGET_S=560   wall-clock budget; a run starts only while >= 40 s remain, its timeout is what is left
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
 # The C++ engine's rows use its own best settings per config (124m --cuda-graphs; checkpointed configs
@@ -29,6 +29,8 @@ export BMT_CALL_ID=${BMT_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-$BMT_GIT_COMMIT-$$}
 export PYTHONPATH="$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}"
 # The package rows measure the documented switch for the step inside the backward (off by default in the package).
 export BMT_STEP_IN_BACKWARD=${BMT_STEP_IN_BACKWARD:-auto}
+# ... and the recompute's tail skip (opt-in; python/bmtrain/recompute_tail.py)
+export BMT_RECOMPUTE_SKIP_TAIL=${BMT_RECOMPUTE_SKIP_TAIL:-1}
 echo "[torchops_bench] call_id $BMT_CALL_ID, results $RESULTS"
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -eq 0 ] && CONFIGS=(124m 1p3b 1p3b_ckpt 6p7b_ckpt 1p3b_offload)
@@ -112,6 +114,8 @@ if [ "${TORCHOPS_ABLATE:-1}" = 1 ]; then
     run_one "bmtpy_nosib_$cfg" py "$CANON" env BMT_STEP_IN_BACKWARD=0 "${PY[@]}" --framework bmtrain $P --variant no-sib
     run_one "bmtpy_nogl_$cfg" py "$CANON" env BMT_ROUTE_TORCH_OPS=linear,layer_norm,attention,cross_entropy \
       "${PY[@]}" --framework bmtrain $P --variant no-gelu-linear
+    [[ $P == *--checkpointing* ]] && run_one "bmtpy_notail_$cfg" py "$CANON" env BMT_RECOMPUTE_SKIP_TAIL=0 \
+      "${PY[@]}" --framework bmtrain $P --variant no-skip-tail
   done
 fi
 if [ "${TORCHOPS_COMPILE:-1}" = 1 ]; then

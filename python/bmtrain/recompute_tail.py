@@ -6,16 +6,16 @@ torch's ops the output is `x + F.linear(h, w_proj, b_proj)`: in the recompute th
 forward FLOPs, ~6% of a checkpointed 1.3B step) computes values nobody reads.
 
 While a recompute runs (and the switch is on), a routed F.linear with a bias returns its output *deferred*: the
-autograd node without the GEMM (_C.nn.linear_deferred, or linear_after_gelu(compute=False)), the values undefined.
+autograd node without the GEMM (_C.nn.linear_deferred, or linear_after_gelu(compute=False)), its values NaN.
 Every later call the routing mode sees that takes a deferred tensor first computes it (_C.nn.linear_fill: the same
-GEMM), except an addition of two tensors, whose result is deferred in turn (computed on the undefined values now,
-computed again from its operands if it is used). When the Block's run ends, a deferred tensor that is one of the
+GEMM), except an addition of two tensors, whose result is deferred in turn (computed on the NaNs now, computed
+again from its operands if it is used). When the Block's run ends, a deferred tensor that is one of the
 Block's outputs, or only feeds such outputs through additions, stays uncomputed; every other one is computed then
 (saved or stored values are correct before any backward reads them).
 
-What the mode cannot see is a C++ extension called with a deferred tensor: it would read undefined values. bmtrain's
-own layers and losses compute their inputs first (materialize()); BMT_RECOMPUTE_SKIP_TAIL=0 (or set_enabled(False))
-turns the whole mechanism off. Default: on.
+What the mode cannot see is a C++ extension called with a deferred tensor: it would read the NaNs (a NaN loss, not
+silently wrong gradients). bmtrain's own layers, losses and collectives compute their inputs first (materialize()).
+Switch: BMT_RECOMPUTE_SKIP_TAIL=1 (or set_enabled(True)); off by default until it has been measured on GPUs.
 """
 import os
 import threading
@@ -38,10 +38,10 @@ _METADATA = {f for f in (getattr(getattr(torch.Tensor, name, None), "__get__", N
 def enabled():
     global _enabled
     if _enabled is None:
-        v = os.environ.get(_ENV, "1").strip().lower()
+        v = os.environ.get(_ENV, "0").strip().lower()
         if v not in ("", "0", "1", "on", "off", "true", "false"):
-            raise ValueError(f"{_ENV}={v!r}: use 1 (on, the default) or 0 (off)")
-        _enabled = v not in ("0", "off", "false")
+            raise ValueError(f"{_ENV}={v!r}: use 1 (on) or 0 (off, the default)")
+        _enabled = v in ("1", "on", "true")
     return _enabled
 
 

@@ -82,6 +82,33 @@ TEST(FusedReductions, LinearGradientsMatchAtLinear) {
   }
 }
 
+// The deferred linear (a checkpointed Block's recompute): the same node without the GEMM. Its output is NaN until
+// linear_fill writes the computing path's values; its gradients are the computing path's.
+TEST(FusedReductions, DeferredLinearIsTheNodeWithoutTheGemm) {
+  at::manual_seed(4);
+  for (auto sizes : {std::vector<int64_t>{4, 5, 16}, std::vector<int64_t>{9, 16}}) {
+    at::Tensor x0 = at::randn(sizes), w0 = at::randn({12, 16}), b0 = at::randn({12});
+    std::vector<int64_t> out_sizes = sizes;
+    out_sizes.back() = 12;
+    at::Tensor dy = at::randn(out_sizes);
+    at::Tensor x1 = leaf(x0), w1 = leaf(w0), b1 = leaf(b0), x2 = leaf(x0), w2 = leaf(w0), b2 = leaf(b0);
+    at::Tensor y1 = bmt::nn::linear_deferred(x1, w1, b1);
+    at::Tensor y2 = bmt::nn::linear_reduced_bias_grad(x2, w2, b2);
+    EXPECT_EQ(y1.sizes(), y2.sizes());
+    EXPECT_TRUE(at::isnan(y1).all().item<bool>()) << "a deferred output reads as NaN until it is filled";
+    y1.backward(dy);
+    y2.backward(dy);
+    EXPECT_TRUE(at::equal(x1.grad(), x2.grad()));
+    EXPECT_TRUE(at::equal(w1.grad(), w2.grad()));
+    EXPECT_TRUE(at::equal(b1.grad(), b2.grad()));
+    at::Tensor y3 = bmt::nn::linear_deferred(x0, w0, b0);
+    bmt::nn::linear_fill(x0, w0, b0, y3);
+    EXPECT_TRUE(at::equal(y3, y2.detach())) << "linear_fill writes the computing path's values";
+  }
+  EXPECT_THROW(bmt::nn::linear_fill(at::randn({3, 16}), at::randn({12, 16}), at::randn({12}), at::empty({4, 12})),
+               bmt::core::Error);
+}
+
 TEST(FusedReductions, LinearSkipsGradientsNobodyWants) {
   at::Tensor x = at::randn({3, 4}), w = leaf(at::randn({2, 4})), b = at::randn({2});  // only w needs a gradient
   bmt::nn::linear_reduced_bias_grad(x, w, b).sum().backward();

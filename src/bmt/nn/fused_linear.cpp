@@ -155,7 +155,8 @@ struct LinearAfterGeluFn : torch::autograd::Function<LinearAfterGeluFn> {
                             const at::Tensor& bias, const at::Tensor& h, bool compute) {
     const int64_t in = weight.size(1), out = weight.size(0);
     const at::Tensor h2 = rows_of(h, in);
-    at::Tensor y = at::empty(with_last(h.sizes(), out), h.options());
+    const std::vector<int64_t> sizes = with_last(h.sizes(), out);
+    at::Tensor y = compute ? at::empty(sizes, h.options()) : deferred_output(sizes, h.options());
     if (compute) linear_fill(h2, weight, bias, y);
     ctx->save_for_backward({pre, h2, weight});
     return y;

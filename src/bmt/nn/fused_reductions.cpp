@@ -3,6 +3,8 @@
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 
+#include <cmath>
+
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/column_reduce_internal.h"
@@ -70,7 +72,7 @@ struct LinearReducedBiasGradFn : torch::autograd::Function<LinearReducedBiasGrad
     if (x.dim() <= 2 && compute) return at::linear(x, weight, bias);
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = weight.size(0);
-    at::Tensor y = at::empty(sizes, x.options());
+    at::Tensor y = compute ? at::empty(sizes, x.options()) : deferred_output(sizes, x.options());
     if (compute) linear_fill(x, weight, bias, y);
     return y;
   }
@@ -164,6 +166,13 @@ at::Tensor linear_deferred(const at::Tensor& x, const at::Tensor& weight, const 
   BMT_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
             "nn::linear_deferred: input ", x.sizes(), " does not match weight ", weight.sizes());
   return LinearReducedBiasGradFn::apply(x, weight, bias, false);
+}
+
+at::Tensor deferred_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  // NaN rather than whatever the allocator held: code that reads it without computing it first (a C++ extension
+  // the routing mode does not see) makes the loss NaN instead of silently wrong gradients.
+  return at::isFloatingType(options.dtype().toScalarType()) ? at::full(sizes, std::nanf(""), options)
+                                                            : at::empty(sizes, options);
 }
 
 void linear_fill(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& y) {

@@ -20,10 +20,12 @@ at::Tensor linear_reduced_bias_grad(const at::Tensor& x, const at::Tensor& weigh
 at::Tensor layer_norm_reduced_param_grads(const at::Tensor& x, int64_t dim, const at::Tensor& weight,
                                           const at::Tensor& bias, double eps);
 
-// The Linear's autograd node (linear_reduced_bias_grad's) without its forward GEMM: y is allocated, its values
-// undefined until linear_fill writes them. For a value nobody reads: a checkpointed Block's recompute of a linear
+// The Linear's autograd node (linear_reduced_bias_grad's) without its forward GEMM: y is allocated and NaN until
+// linear_fill writes it. For a value nobody reads: a checkpointed Block's recompute of a linear
 // whose output only becomes the Block's output, a root of the backward (python/bmtrain/torch_ops.py). Needs a bias.
 at::Tensor linear_deferred(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+// A deferred output: `sizes` of NaN (floating dtypes), so that a read of it before linear_fill shows.
+at::Tensor deferred_output(at::IntArrayRef sizes, const at::TensorOptions& options);
 // y = x weight^T + bias written into y (contiguous, the linear's output shape), without autograd: what
 // linear_deferred skipped, the same GEMM as the computing path.
 void linear_fill(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& y);

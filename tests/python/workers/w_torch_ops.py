@@ -126,31 +126,39 @@ def gelu_then_linear_takes_the_fused_backward():
 def recompute_skips_the_tail_linear():
     """A checkpointed Block's recompute leaves the GEMM of `x + F.linear(h, ...)` (the Block's output) uncomputed
     (recompute_tail.py): once per layer, with output and every gradient equal to the plain twin's. When that sum is
-    read again in the Block (a LayerNorm after it, a view) everything is computed; BMT_RECOMPUTE_SKIP_TAIL off
-    (set_enabled(False)) defers nothing."""
+    read again in the Block (a LayerNorm after it, a view) everything is computed. Off (the default, or
+    set_enabled(False)) nothing is deferred."""
     if ROUTE_OFF:
         raise Skip("routing is off for this launch")
     from bmtrain import recompute_tail as rt
-    for dtype, tol in ((torch.float32, {}), (torch.bfloat16, dict(rtol=2e-2, atol=2e-3))):
-        for tail, want_skipped in (("residual", 3), ("post_ln", 0), ("view", 0)):
-            rt.counts.update(deferred=0, skipped=0)
-            _layers_vs_plain(True, dtype=dtype, tail=tail, **tol)
-            # every linear of the recompute is deferred (4 per layer), the tail ones stay uncomputed
-            want = {"deferred": 12, "skipped": want_skipped}
-            if rt.counts != want:
-                raise AssertionError(f"{dtype} tail={tail}: expected {want}, got {rt.counts}")
-    prev = rt.set_enabled(False)
+    if rt.enabled() != (os.environ.get("BMT_RECOMPUTE_SKIP_TAIL", "0") == "1"):
+        raise AssertionError("the recompute's tail skip should be off unless BMT_RECOMPUTE_SKIP_TAIL=1")
+    rt.counts.update(deferred=0, skipped=0)
+    if not rt.enabled():  # the default: nothing deferred
+        _layers_vs_plain(True)
+        if rt.counts != {"deferred": 0, "skipped": 0}:
+            raise AssertionError(f"off by default, yet {rt.counts}")
+    prev_on = rt.set_enabled(True)
     try:
+        for dtype, tol in ((torch.float32, {}), (torch.bfloat16, dict(rtol=2e-2, atol=2e-3))):
+            for tail, want_skipped in (("residual", 3), ("post_ln", 0), ("view", 0)):
+                rt.counts.update(deferred=0, skipped=0)
+                _layers_vs_plain(True, dtype=dtype, tail=tail, **tol)
+                # every linear of the recompute is deferred (4 per layer), the tail ones stay uncomputed
+                want = {"deferred": 12, "skipped": want_skipped}
+                if rt.counts != want:
+                    raise AssertionError(f"{dtype} tail={tail}: expected {want}, got {rt.counts}")
+        rt.counts.update(deferred=0, skipped=0)
+        _layers_vs_plain(False)  # no checkpointing: no recompute, nothing deferred
+        rt.set_enabled(False)
+        if rt.counts != {"deferred": 0, "skipped": 0}:
+            raise AssertionError(f"without checkpointing: {rt.counts}")
         rt.counts.update(deferred=0, skipped=0)
         _layers_vs_plain(True)
         if rt.counts != {"deferred": 0, "skipped": 0}:
             raise AssertionError(f"switched off, yet {rt.counts}")
     finally:
-        rt.set_enabled(prev)
-    rt.counts.update(deferred=0, skipped=0)
-    _layers_vs_plain(False)  # no checkpointing: no recompute, nothing deferred
-    if rt.counts != {"deferred": 0, "skipped": 0}:
-        raise AssertionError(f"without checkpointing: {rt.counts}")
+        rt.set_enabled(prev_on)
 
 
 @case
