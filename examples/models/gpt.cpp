@@ -1,6 +1,7 @@
 #include "models/gpt.h"
 
 #include "bmt/engine/block.h"
+#include "bmt/engine/recompute_keep.h"
 #include "bmt/core/error.h"
 #include "bmt/runtime/init.h"
 #include "bmt/nn/fp8_linear.h"
@@ -52,13 +53,13 @@ GptMlpImpl::GptMlpImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn
   c_proj = tp.linear(*this, "c_proj", c.ffn_dim, c.dim, true, dtype);
 }
 
-at::Tensor GptMlpImpl::forward(const at::Tensor& x, const at::Tensor& residual) {
+at::Tensor GptMlpImpl::forward(const at::Tensor& x, const at::Tensor& residual, bool compute_output) {
   bmt::nn::Linear fc = c_fc.dense(), proj = c_proj.dense();
   if (fc && proj && (fc->fp8 || proj->fp8))  // FP8 GEMMs, GELU and the residual add separate (no epilogues yet)
     return residual + proj->forward(at::gelu(fc->forward(x), "tanh"));
   if (fc && proj)
     return bmt::nn::gelu_mlp(x, bmt::gathered(fc->weight), bmt::gathered(fc->bias), bmt::gathered(proj->weight),
-                             bmt::gathered(proj->bias), residual);
+                             bmt::gathered(proj->bias), residual, compute_output);
   return residual + c_proj.forward(at::gelu(c_fc.forward(x), "tanh"));
 }
 
@@ -73,7 +74,8 @@ std::vector<at::Tensor> GptLayerImpl::forward(const std::vector<at::Tensor>& in)
   const at::Tensor& x = in.at(0);
   const at::Tensor& shape = in.at(1);
   at::Tensor h = attn->forward(ln_1->forward(x), shape, x);
-  return {mlp->forward(ln_2->forward(h), h)};
+  // (the MLP's sum is the layer's output: in a checkpointed recompute only the backward's root)
+  return {mlp->forward(ln_2->forward(h), h, !bmt::skip_block_outputs_now())};
 }
 
 Gpt::Gpt(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarType dtype) : config_(config) {

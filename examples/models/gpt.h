@@ -56,7 +56,9 @@ class GptMlpImpl : public torch::nn::Module {
  public:
   GptMlpImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn::TpScope& tp);
   // residual + c_proj(gelu(c_fc(x))): one fused MLP (nn::gelu_mlp) when neither linear is split over tp.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& residual);
+  // compute_output = false: the caller will only root a backward at the result (a checkpointed Block's recompute,
+  // bmt::skip_block_outputs_now()): the fused MLP skips c_proj's GEMM.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& residual, bool compute_output = true);
   bmt::nn::PlannedLinear c_fc, c_proj;
 };
 TORCH_MODULE(GptMlp);

@@ -17,7 +17,6 @@ What the mode cannot see is a C++ extension called with a deferred tensor: it wo
 silently wrong gradients). bmtrain's own layers, losses and collectives compute their inputs first (materialize()).
 Switch: BMT_RECOMPUTE_SKIP_TAIL=1 (or set_enabled(True)); off by default until it has been measured on GPUs.
 """
-import os
 import threading
 import weakref
 
@@ -25,8 +24,6 @@ import torch
 
 from . import _C
 
-_ENV = "BMT_RECOMPUTE_SKIP_TAIL"
-_enabled = None
 _ADD_FUNCS = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.add, torch.add}
 # calls that read no values: they neither compute a deferred tensor nor make its result deferred
 _METADATA = {f for f in (getattr(getattr(torch.Tensor, name, None), "__get__", None) for name in (
@@ -36,20 +33,14 @@ _METADATA = {f for f in (getattr(getattr(torch.Tensor, name, None), "__get__", N
 
 
 def enabled():
-    global _enabled
-    if _enabled is None:
-        v = os.environ.get(_ENV, "0").strip().lower()
-        if v not in ("", "0", "1", "on", "off", "true", "false"):
-            raise ValueError(f"{_ENV}={v!r}: use 1 (on) or 0 (off, the default)")
-        _enabled = v in ("1", "on", "true")
-    return _enabled
+    """BMT_RECOMPUTE_SKIP_TAIL (the engine's switch, which the C++ GPT's fused MLP reads too)."""
+    return _C.recompute_skip_tail_enabled()
 
 
 def set_enabled(on):
     """Turns the deferral on or off (returns the previous setting)."""
-    global _enabled
     prev = enabled()
-    _enabled = bool(on)
+    _C.set_recompute_skip_tail_enabled(bool(on))
     return prev
 
 

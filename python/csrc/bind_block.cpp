@@ -29,6 +29,9 @@ void bind_block(py::module_& m) {
   // 0 outside a checkpointed Block's forward, 1 its first run (keeping values), 2 the backward's recompute
   // (engine/recompute_keep.h); read by torch_ops.py.
   m.def("recompute_phase", [] { return static_cast<int>(recompute_phase()); });
+  // BMT_RECOMPUTE_SKIP_TAIL: the recompute's outputs left uncomputed (engine/recompute_keep.h; recompute_tail.py)
+  m.def("recompute_skip_tail_enabled", &recompute_skip_tail_enabled);
+  m.def("set_recompute_skip_tail_enabled", &set_recompute_skip_tail_enabled, py::arg("on"));
   py::class_<Block, std::shared_ptr<Block>>(m, "Block")
       .def(py::init([](std::shared_ptr<torch::nn::Module> holder, py::object forward_fn, int zero_level,
                        bool use_checkpoint, py::object reduce_dtype, const std::string& reduce_op) {

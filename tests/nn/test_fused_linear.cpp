@@ -146,6 +146,24 @@ TEST(FusedLinearCpu, GeluMlpMatchesTorchAutogradInDouble) {
   }
 }
 
+// A checkpointed Block's recompute whose MLP output only roots the backward: compute_output = false leaves y NaN
+// (c_proj's GEMM skipped) with the same gradients as the computing path.
+TEST(FusedLinearCpu, GeluMlpWithoutItsOutputHasTheSameGradients) {
+  at::manual_seed(9);
+  const Mlp m = make_mlp(at::kFloat, 2, 5, 16, 40);
+  const at::Tensor gy = at::randn({2, 5, 16});
+  std::vector<at::Tensor> grads[2];
+  for (bool compute : {true, false}) {
+    at::Tensor x = leaf(m.x), w1 = leaf(m.w_fc), b1 = leaf(m.b_fc), w2 = leaf(m.w_proj), b2 = leaf(m.b_proj);
+    at::Tensor r = leaf(m.residual);
+    at::Tensor y = bmt::nn::gelu_mlp_fused(x, w1, b1, w2, b2, r, compute);
+    EXPECT_EQ(compute, !at::isnan(y).any().item<bool>()) << "compute_output=" << compute;
+    y.backward(gy);
+    grads[compute ? 0 : 1] = {x.grad(), w1.grad(), b1.grad(), w2.grad(), b2.grad(), r.grad()};
+  }
+  for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(at::equal(grads[0][i], grads[1][i])) << "gradient " << i;
+}
+
 TEST(FusedLinearCpu, GeluMlpComputesOnlyTheGradientsAskedFor) {
   at::manual_seed(5);
   const Mlp m = make_mlp(at::kFloat, 1, 6, 8, 16);

@@ -10,6 +10,7 @@ namespace {
 thread_local RecomputePhase t_phase = RecomputePhase::kNone;
 thread_local detail::KeptValues* t_kept = nullptr;
 EnvSwitch g_keep_switch("BMT_KEEP_FOR_RECOMPUTE");
+EnvSwitch g_tail_switch("BMT_RECOMPUTE_SKIP_TAIL", /*default_on=*/false);
 
 }  // namespace
 
@@ -25,6 +26,10 @@ std::vector<at::Tensor> take_kept() {
   t_kept->values.pop_front();
   return v;
 }
+
+bool recompute_skip_tail_enabled() { return g_tail_switch.enabled(); }
+void set_recompute_skip_tail_enabled(bool on) { g_tail_switch.set(on); }
+bool skip_block_outputs_now() { return recompute_phase() == RecomputePhase::kRecompute && g_tail_switch.enabled(); }
 
 namespace detail {
 

@@ -27,6 +27,15 @@ void keep_for_recompute(std::vector<at::Tensor> values);
 // kRecompute: the next values kept by the first run, or an empty vector when none are left (the op computes).
 std::vector<at::Tensor> take_kept();
 
+// The recompute's tail: in kRecompute a Block's outputs are only the roots of its backward (their values are never
+// read), so code that knows its result is one of them may leave it uncomputed (the C++ GPT's gelu_mlp second GEMM;
+// the routed torch ops' deferred linears, python/bmtrain/recompute_tail.py). BMT_RECOMPUTE_SKIP_TAIL=1 turns it on;
+// off by default until measured on GPUs.
+bool recompute_skip_tail_enabled();
+void set_recompute_skip_tail_enabled(bool on);
+// True while a checkpointed Block recomputes on this thread and the switch is on.
+bool skip_block_outputs_now();
+
 namespace detail {
 
 struct KeptValues {

@@ -72,7 +72,7 @@ std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
 struct GeluMlpFn : torch::autograd::Function<GeluMlpFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                             const at::Tensor& w_proj, const at::Tensor& b_proj,
-                            const std::optional<at::Tensor>& residual) {
+                            const std::optional<at::Tensor>& residual, bool compute_output) {
     const int64_t in = w_fc.size(1), hidden = w_fc.size(0), out = w_proj.size(0);
     const at::Tensor x2 = rows_of(x, in);
     at::Tensor pre = at::empty({x2.size(0), hidden}, x2.options()), h = at::empty_like(pre);
@@ -82,7 +82,9 @@ struct GeluMlpFn : torch::autograd::Function<GeluMlpFn> {
       h = at::gelu(pre, "tanh");
     }
     const at::Tensor res2 = residual ? rows_of(*residual, out) : at::Tensor();
-    const at::Tensor y = linear_bias_residual(h, w_proj.contiguous(), b_proj.contiguous(), res2);
+    // compute_output = false: a recompute whose output only roots the backward (skip_block_outputs_now)
+    const at::Tensor y = compute_output ? linear_bias_residual(h, w_proj.contiguous(), b_proj.contiguous(), res2)
+                                        : deferred_output({x2.size(0), out}, x2.options());
     ctx->save_for_backward({x2, w_fc, w_proj, pre, h});
     ctx->saved_data["has_residual"] = residual.has_value();
     // (_unsafe_view: a view made inside a custom function could not be modified in place by the caller)
@@ -119,7 +121,7 @@ struct GeluMlpFn : torch::autograd::Function<GeluMlpFn> {
       if (ctx->needs_input_grad(1)) dw_fc = dpre.t().mm(x2);
       if (ctx->needs_input_grad(2)) db_fc = db;
     }
-    return {dx, dw_fc, db_fc, dw_proj, db_proj, dres};
+    return {dx, dw_fc, db_fc, dw_proj, db_proj, dres, at::Tensor()};
   }
 };
 
@@ -264,12 +266,13 @@ void check_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_
 }  // namespace
 
 at::Tensor gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
-                          const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual) {
+                          const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
+                          bool compute_output) {
   BMT_CHECK(b_fc.defined() && b_proj.defined(), "nn::gelu_mlp_fused: c_fc and c_proj need biases");
   check_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
   check_same_kind({&x, &w_fc, &b_fc, &w_proj, &b_proj, &residual}, "nn::gelu_mlp_fused");
   return GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
-                          residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt);
+                          residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt, compute_output);
 }
 
 at::Tensor linear_residual_fused(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
@@ -282,11 +285,11 @@ at::Tensor linear_residual_fused(const at::Tensor& x, const at::Tensor& weight, 
 }
 
 at::Tensor gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
-                    const at::Tensor& b_proj, const at::Tensor& residual) {
+                    const at::Tensor& b_proj, const at::Tensor& residual, bool compute_output) {
   check_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
   if (b_fc.defined() && b_proj.defined() && fused_path_applies({&x, &w_fc, &b_fc, &w_proj, &b_proj, &residual}))
     return GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
-                            residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt);
+                            residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt, compute_output);
   at::Tensor y = linear(at::gelu(linear(x, w_fc, b_fc), "tanh"), w_proj, b_proj);
   return residual.defined() ? residual + y : y;
 }

@@ -13,8 +13,10 @@
 namespace bmt::nn {
 
 // y = [residual +] gelu_tanh(x w_fc^T + b_fc) w_proj^T + b_proj. residual may be undefined.
+// compute_output = false (a checkpointed Block's recompute whose output y is the Block's, skip_block_outputs_now()):
+// on the fused path y is left uncomputed (NaN; its node and gradients are the same), saving c_proj's GEMM.
 at::Tensor gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
-                    const at::Tensor& b_proj, const at::Tensor& residual = at::Tensor());
+                    const at::Tensor& b_proj, const at::Tensor& residual = at::Tensor(), bool compute_output = true);
 // y = residual + x w^T + b.
 at::Tensor linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                            const at::Tensor& residual);
@@ -30,7 +32,8 @@ at::Tensor linear_after_gelu(const at::Tensor& h, const at::Tensor& pre, const a
 // The fused autograd functions on any device, whatever the switch (CPU: the epilogue GEMMs' CPU twin, slow; for
 // tests). gelu_mlp_fused needs a residual; pass at::Tensor() for none.
 at::Tensor gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
-                          const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual);
+                          const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
+                          bool compute_output = true);
 at::Tensor linear_residual_fused(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                  const at::Tensor& residual);
 at::Tensor linear_after_gelu_fused(const at::Tensor& h, const at::Tensor& pre, const at::Tensor& weight,

@@ -1,4 +1,5 @@
-// A process-wide on/off switch whose default comes from an environment variable (on unless VAR=0), read on first
+// A process-wide on/off switch whose default comes from an environment variable (VAR=0 off, another value on, unset
+// the switch's default), read on first
 // use and settable from code afterwards (tests, benchmarks): the kernel switches of nn/fused_reductions and
 // nn/fused_linear, and the engine's (engine/block_gradients, engine/recompute_keep).
 #pragma once
@@ -11,12 +12,14 @@ namespace bmt {
 
 class EnvSwitch {
  public:
-  explicit constexpr EnvSwitch(const char* variable) : variable_(variable) {}
+  // default_on: the setting when the variable is unset or empty (otherwise "0" is off, anything else on).
+  explicit constexpr EnvSwitch(const char* variable, bool default_on = true)
+      : variable_(variable), default_on_(default_on) {}
   bool enabled() {
     int v = state_.load(std::memory_order_relaxed);
     if (v < 0) {
       const char* e = std::getenv(variable_);
-      v = (e && std::strcmp(e, "0") == 0) ? 0 : 1;
+      v = (!e || !*e) ? (default_on_ ? 1 : 0) : (std::strcmp(e, "0") == 0 ? 0 : 1);
       state_.store(v, std::memory_order_relaxed);
     }
     return v == 1;
@@ -25,6 +28,7 @@ class EnvSwitch {
 
  private:
   const char* variable_;
+  bool default_on_;
   std::atomic<int> state_{-1};  // -1: not yet read from the environment
 };
 
