@@ -176,22 +176,21 @@ def end(prev, outputs, completed=True):
 
 class Materializing:
     """A bmtrain._C submodule whose functions compute their deferred tensor arguments first (bmt.nn's layers call
-    the engine's ops directly, where the routing mode does not see them)."""
+    the engine's ops directly, where the routing mode does not see them). Wrappers are made once, as attributes."""
 
     def __init__(self, module):
-        self._module = module
-        self._calls = {}
-
-    def __getattr__(self, name):
-        call = self._calls.get(name)
-        if call is None:
-            f = getattr(self._module, name)
-            if not callable(f):
-                return f
+        for name in dir(module):
+            f = getattr(module, name)
+            if name.startswith("__") or not callable(f) or isinstance(f, type):
+                continue
 
             def call(*args, _f=f, **kwargs):
                 if _deferred:
                     materialize(*args, *kwargs.values())
                 return _f(*args, **kwargs)
-            self._calls[name] = call
-        return call
+            call.__name__, call.__doc__ = name, f.__doc__
+            setattr(self, name, call)
+        self._module = module
+
+    def __getattr__(self, name):  # anything not wrapped (classes, constants)
+        return getattr(self._module, name)
