@@ -45,12 +45,19 @@ def _join(leaves, spec, pos, tensors):
 
 
 class _Outputs:
+    # A lone tensor (a transformer layer's usual output) skips the pytree round trip: out_spec stays None.
+    out_spec = None
 
     def flatten_outputs(self, out):
+        if type(out) is torch.Tensor:
+            self.out_spec = None  # (a list's call object serves every layer: reset what an earlier one set)
+            return [out]
         self.out_leaves, self.out_spec, self.out_pos, tensors = _split(out)
         return tensors
 
     def result(self, tensors):
+        if self.out_spec is None:
+            return tensors[0]
         return _join(self.out_leaves, self.out_spec, self.out_pos, tensors)
 
 
@@ -82,6 +89,8 @@ class _ListCall(_Outputs):
         self.leaves, self.spec, self.pos, self.tensor_inputs = _split(tuple(rest))
 
     def run(self, module, tensors):
+        if not self.leaves:  # no arguments beside the hidden states
+            return self.flatten_outputs(module(*tensors))
         rest = _join(self.leaves, self.spec, self.pos, tensors[self.num_hidden:])
         return self.flatten_outputs(module(*tensors[:self.num_hidden], *rest))
 

@@ -66,19 +66,31 @@ def load_distributed(module, state_dict, prefix, local_metadata, strict, missing
         unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
 
 
+_distributed_types = {}  # type -> whether it is a DistributedParameter (sub)class
+
+
+def _is_distributed_type(cls):
+    yes = _distributed_types.get(cls)
+    if yes is None:
+        yes = _distributed_types[cls] = issubclass(cls, DistributedParameter)
+    return yes
+
+
 class DistributedModule(torch.nn.Module):
     """BMTrain's DistributedModule. Outside a Block, reading a DistributedParameter attribute all-gathers it
     (differentiable; read it once per forward); inside a running Block it is already the full tensor."""
 
+    # Both run for every parameter read and module call of a forward: the type test is a cached issubclass
+    # (isinstance of a Parameter subclass goes through Python-level _ParameterMeta.__instancecheck__).
     def __getattr__(self, name):
         value = super().__getattr__(name)
-        if isinstance(value, DistributedParameter) and _C.param_state(value) == _STANDALONE:
+        if _is_distributed_type(type(value)) and _C.param_state(value) == _STANDALONE:
             return _C.gathered(value)
         return value
 
     def __call__(self, *args, **kwargs):
         for name, p in self._parameters.items():
-            if isinstance(p, DistributedParameter):  # a module's parameters all belong to one Block, or none
+            if _is_distributed_type(type(p)):  # a module's parameters all belong to one Block, or none
                 if _C.param_state(p) == _IN_IDLE_BLOCK:
                     raise RuntimeError(
                         f"{type(self).__name__} was called outside its Block: its parameters (e.g. '{name}') belong "

@@ -66,7 +66,7 @@ def active():
 def begin(depth):
     """At the start of a routed Block run (depth: 1 for the outermost): returns the previous state for end()."""
     prev = active()
-    _tls.active = depth == 1 and enabled() and _C.recompute_phase() == 2
+    _tls.active = depth == 1 and _C.recompute_phase() == 2 and enabled()
     return prev
 
 

@@ -111,9 +111,21 @@ def routed_counts(reset=False):
 
 # --------------------------------------------------------------------------------------------------- the routes
 
+_plain_types = {torch.Tensor: True, torch.nn.Parameter: True}  # type -> a tensor type the routes take
+
+
 def _plain(*ts):
-    # torch tensors and parameters (a running Block's DistributedParameters among them), not other subclasses
-    return all(t is None or type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter) for t in ts)
+    # torch tensors and parameters (a running Block's DistributedParameters among them), not other subclasses;
+    # per type, cached: this runs for every routed call
+    for t in ts:
+        if t is not None:
+            cls = type(t)
+            ok = _plain_types.get(cls)
+            if ok is None:
+                ok = _plain_types[cls] = issubclass(cls, torch.nn.Parameter)
+            if not ok:
+                return False
+    return True
 
 
 def _linear(args, kwargs):
@@ -165,10 +177,13 @@ def _gelu(args, kwargs):
 
 
 def _layer_norm(args, kwargs):
-    names = ("input", "normalized_shape", "weight", "bias", "eps")
-    a = dict(zip(names, args), **kwargs)
-    x, shape = a.get("input"), a.get("normalized_shape")
-    w, b, eps = a.get("weight"), a.get("bias"), a.get("eps", 1e-5)
+    if not kwargs and len(args) == 5:  # F.layer_norm(x, shape, w, b, eps): the usual spelling, parsed without a dict
+        x, shape, w, b, eps = args
+    else:
+        names = ("input", "normalized_shape", "weight", "bias", "eps")
+        a = dict(zip(names, args), **kwargs)
+        x, shape = a.get("input"), a.get("normalized_shape")
+        w, b, eps = a.get("weight"), a.get("bias"), a.get("eps", 1e-5)
     if not isinstance(x, torch.Tensor) or not _plain(x, w, b) or x.dim() < 1:
         return NotImplemented
     shape = tuple(shape) if isinstance(shape, (list, tuple, torch.Size)) else (shape,)
@@ -180,10 +195,12 @@ def _layer_norm(args, kwargs):
     return _C.nn.layer_norm(x, int(shape[0]), w, b, float(eps))
 
 
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
 def _attention(args, kwargs):
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    a = dict(zip(names, args), **kwargs)
-    q, k, v = a.get("query"), a.get("key"), a.get("value")
+    a = kwargs if len(args) == 3 else dict(zip(_SDPA_NAMES, args), **kwargs)  # usually (q, k, v, is_causal=True)
+    q, k, v = args if len(args) == 3 else (a.get("query"), a.get("key"), a.get("value"))
     if not (a.get("is_causal", False) and a.get("attn_mask") is None and a.get("dropout_p", 0.0) == 0.0):
         return NotImplemented
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not _plain(q, k, v):
@@ -264,6 +281,9 @@ _ROUTES = {torch._C._nn.linear: ("linear", _linear), F.layer_norm: ("layer_norm"
            F.cross_entropy: ("cross_entropy", _cross_entropy)}
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 class _RoutingMode(TorchFunctionMode):
     """layers=True: inside a Block (every route); False: the loss window (cross-entropy and upcasts only)."""
 
@@ -273,15 +293,19 @@ class _RoutingMode(TorchFunctionMode):
         self.live = True  # the loss window sets it False when it could not leave the stack yet
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # Every torch call inside a Block comes here: the common case (not routed, nothing deferred) returns first.
+        if kwargs is None:
+            kwargs = {}
         if recompute_tail._deferred:  # a deferred tail linear's output (or an addition of it) is used
             out = recompute_tail.intercept(func, args, kwargs)
             if out is not None:
                 return out
         route = _ROUTES.get(func)
-        if route is None or not self.live or torch.compiler.is_compiling():
+        if route is None and self.layers:
+            return func(*args, **kwargs)
+        if route is None or not self.live or _is_compiling():
             out = func(*args, **kwargs)
-            if not self.layers and self.live and isinstance(out, torch.Tensor) and not torch.compiler.is_compiling():
+            if not self.layers and self.live and isinstance(out, torch.Tensor) and not _is_compiling():
                 _track_upcast(func, args, kwargs, out)
             return out
         name, fn = route
@@ -309,27 +333,34 @@ _tls = threading.local()  # depth: Block forward functions running on this threa
 
 def run_routed(module, run):
     """run() under the routing mode unless routing is off or `module` is torch.compile'd."""
-    _tls.depth = getattr(_tls, "depth", 0) + 1
+    tls = _tls
+    depth = tls.depth = getattr(tls, "depth", 0) + 1
     try:
         if not _on() or _is_compiled(module):
             return run()
-        prev = recompute_tail.begin(_tls.depth)
+        mode = getattr(tls, "mode", None)
+        if mode is None:  # one per thread (it holds no state of a run), pushed once per Block run
+            mode = tls.mode = _RoutingMode(layers=True)
+        prev = recompute_tail.begin(depth)
         out, completed = None, False
         try:
-            with _RoutingMode(layers=True):
+            with mode:
                 out = run()
             completed = True
         finally:
             recompute_tail.end(prev, out, completed)
         return out
     finally:
-        _tls.depth -= 1
-        if not _tls.depth:
+        tls.depth -= 1
+        if not tls.depth:
             _gelus.clear()
 
 
 def _is_compiled(module):
-    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+    # module.compile() sets _compiled_call_impl; torch.compile(module) is an OptimizedModule whose _orig_mod is a
+    # submodule (looked up in the dicts: a missing attribute through nn.Module.__getattr__ costs an exception)
+    d = module.__dict__
+    return d.get("_compiled_call_impl") is not None or "_orig_mod" in d.get("_modules", ())
 
 
 # ---------------------------------------------------------------------------------------------- the loss window

@@ -77,6 +77,14 @@ void free_bytes(const at::Tensor& t) {
   impl->set_nbytes(0);
 }
 
+// `view` (a cached view, possibly undefined) was taken of `source`: the same storage object (the view holds it, so
+// it cannot be a new storage at a reused address), dtype and device.
+bool views_source(const at::Tensor& view, const at::Tensor& source) {
+  return view.defined() && source.defined() &&
+         view.storage().unsafeGetStorageImpl() == source.storage().unsafeGetStorageImpl() &&
+         source.storage_offset() == 0 && view.scalar_type() == source.scalar_type();
+}
+
 // Every bit of t is zero (a parameter shard nobody wrote since it was created). -0.0 counts as written.
 bool bitwise_zero(const at::Tensor& t) {
   if (t.numel() == 0) return true;
@@ -350,7 +358,9 @@ void Block::point_at_full() {
   }
   for (auto& s : slots_) {
     Group& g = *groups_[s->group];
-    s->param.set_data(g.full.narrow(0, s->offset, s->numel).view(s->shape));
+    if (!views_source(s->full_view, g.full))
+      s->full_view = g.full.narrow(0, s->offset, s->numel).view(s->shape);
+    s->param.set_data(s->full_view);
   }
   gathered_ = true;
 }
@@ -358,7 +368,8 @@ void Block::point_at_full() {
 void Block::point_at_shard() {
   for (auto& s : slots_) {
     Group& g = *groups_[s->group];
-    s->param.set_data(g.shard.narrow(0, s->local_begin, s->local_numel));
+    if (!views_source(s->shard_view, g.shard)) s->shard_view = g.shard.narrow(0, s->local_begin, s->local_numel);
+    s->param.set_data(s->shard_view);
   }
   gathered_ = false;
 }
@@ -427,7 +438,7 @@ std::vector<at::Tensor> Block::run_forward(CallState& state, const std::vector<a
   state.inputs = inputs;
   for (auto& t : inputs) state.input_requires_grad.push_back(t.defined() && t.requires_grad());
   gather();
-  state.rng = save_rng();
+  if (options_.use_checkpoint) state.rng = save_rng();  // only a recompute draws the same numbers again
   std::vector<at::Tensor> out;
   try {
     if (options_.use_checkpoint) {

@@ -49,6 +49,10 @@ struct Block::Slot {
   std::vector<int64_t> shape;
   int64_t local_begin = 0;  // intersection with this rank's partition, in shard coordinates
   int64_t local_numel = 0;
+  // The parameter's views of the full buffer and of the shard, made once (point_at_full / point_at_shard): both
+  // buffers keep their storage across gathers, so narrowing and reshaping again every step would only cost host time.
+  at::Tensor full_view;
+  at::Tensor shard_view;
 };
 
 // Calls every hook of add_grad_ready_hook with `block` (its gradients are reduced).
