@@ -105,9 +105,9 @@ def main():
     a = ap.parse_args()
     if a.layers < 1 or a.reps < 1 or a.dim % a.heads:
         ap.error("--layers and --reps must be >= 1 and --dim a multiple of --heads")
-    torch.set_num_threads(a.threads)
     import bmtrain as bmt
     bmt.init_distributed(seed=1234, quiet=True)
+    torch.set_num_threads(a.threads)  # after init_distributed, which sets its own count for CPU ranks
     device = torch.device(bmt.config["device"])
     if a.device == "cpu" and device.type != "cpu":
         ap.error("--device cpu: bmtrain chose a GPU (run with CUDA_VISIBLE_DEVICES='')")
@@ -117,7 +117,7 @@ def main():
     call_id = os.environ.get("BMT_CALL_ID", "")
     rows = []
 
-    def row(framework, variant, fwd_us, both_us):
+    def row(framework, variant, fwd_us, both_us, routed=None):
         print(f"RESULT framework={framework} variant={variant} fwd_us_per_layer={fwd_us:.1f} "
               f"fwd_bwd_us_per_layer={both_us:.1f}", flush=True)
         rows.append({
@@ -128,7 +128,7 @@ def main():
                 f"git -C '{os.path.dirname(os.path.abspath(__file__))}' rev-parse --short HEAD 2>/dev/null"),
             "call_id": call_id, "machine": os.environ.get("BMT_BENCH_MACHINE") or socket.gethostname(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "torch": torch.__version__, "threads": torch.get_num_threads()})
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "routed_calls": routed})
 
     torch.manual_seed(0)
     for ckpt in (False, True):
@@ -140,7 +140,9 @@ def main():
             ap.error(f"--variants: unknown variant {variant!r}")
         model = build("bmtrain", a, device, dtype, variant == "ckpt")
         with bmt.torch_ops.routing(variant != "no-route"):
-            row("bmtrain-py-torchops", variant, *measure(model, a, device, dtype, sync))
+            bmt.torch_ops.routed_counts(reset=True)
+            times = measure(model, a, device, dtype, sync)
+            row("bmtrain-py-torchops", variant, *times, routed=bmt.torch_ops.routed_counts(reset=True))
             if a.cprofile and variant == "route":
                 x = torch.randn(a.batch, a.seq, a.dim, device=device, dtype=dtype, requires_grad=True)
                 prof = cProfile.Profile()

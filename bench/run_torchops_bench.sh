@@ -12,6 +12,7 @@
 #                           with BMT_STEP_IN_BACKWARD=0 (variant no-sib), without the gelu_linear route
 #                           (variant no-gelu-linear) and, checkpointed, BMT_RECOMPUTE_SKIP_TAIL=0 (no-skip-tail)
 #   TORCHOPS_BUDGET_S=560   wall-clock budget; a run starts only while >= 40 s remain, its timeout is what is left
+#   TORCHOPS_HOST=1         first, bench/host_overhead.py on the GPU: host µs per layer, rows in the same file
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
 # The C++ engine's rows use its own best settings per config (124m --cuda-graphs; checkpointed configs
 # --step-in-backward; offload --offload-grad-bf16 --offload-async); its config string is mapped to the five names
@@ -92,6 +93,13 @@ PY
 }
 
 PY=(python3 bench/torchops_gpt.py)
+# host time per layer at a tiny width (bench/host_overhead.py: the GPU waits for the host there), ~20 s
+if [ "${TORCHOPS_HOST:-1}" = 1 ] && [ "$SMOKE" != 1 ]; then
+  MASTER_ADDR=127.0.0.1 MASTER_PORT=$((BENCH_PORT_BASE + 99)) timeout -k 10 120 python3 bench/host_overhead.py \
+    --device cuda --json "$RESULTS" > "$LOGDIR/host_overhead.log" 2>&1 \
+    && grep '^RESULT' "$LOGDIR/host_overhead.log" | sed 's/^/[torchops_bench] host: /' \
+    || { echo "[torchops_bench] host_overhead failed:"; tail -5 "$LOGDIR/host_overhead.log"; }
+fi
 for cfg in "${CONFIGS[@]}"; do
   shape_of "$cfg" || exit 2
   for fw in $FRAMEWORKS; do
@@ -129,7 +137,7 @@ fi
 python3 - "$RESULTS" "$BMT_CALL_ID" <<'PY' | tee "$LOGDIR/table.txt"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-rows = [r for r in rows if r.get("call_id") == sys.argv[2]]
+rows = [r for r in rows if r.get("call_id") == sys.argv[2] and "tokens_per_s" in r]
 order = ["bmt", "bmtrain-py-torchops", "fsdp2", "plain"]
 print(f"{'config':<34}{'framework':<22}{'variant':<10}{'tokens/s':>11}{'peak GiB':>10}  notes")
 for r in sorted(rows, key=lambda r: (r["config"], order.index(r["framework"]) if r["framework"] in order else 9)):

@@ -78,3 +78,24 @@ def test_torchops_bench_smoke():
     assert bmt_row["step_in_backward"] is True
     # the same initial values and batches: the first loss of every framework agrees
     assert abs(rows[1]["loss_first"] - rows[2]["loss_first"]) < 1e-4
+
+
+def test_host_overhead_bench_smoke():
+    """bench/host_overhead.py on CPU: one row per framework and variant with positive per-layer times."""
+    out = tempfile.mkdtemp(prefix="bmt_host_overhead_")
+    path = os.path.join(out, "rows.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", BMT_CALL_ID="smoke-call")
+    cmd = [sys.executable, os.path.join(REPO, "bench", "host_overhead.py"), "--device", "cpu", "--layers", "2",
+           "--reps", "2", "--json", path]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    rows = [json.loads(line) for line in open(path)]
+    assert [(x["framework"], x["variant"]) for x in rows] == [
+        ("plain", "eager"), ("plain", "ckpt"), ("bmtrain-py-torchops", "route"),
+        ("bmtrain-py-torchops", "no-route"), ("bmtrain-py-torchops", "ckpt")]
+    for x in rows:
+        assert x["call_id"] == "smoke-call" and x["fwd_us_per_layer"] > 0
+        assert x["fwd_bwd_us_per_layer"] > x["fwd_us_per_layer"] / 2, x
+    routed = {x["variant"]: x["routed_calls"] for x in rows if x["framework"] != "plain"}
+    assert routed["route"]["linear"] > 0 and routed["route"]["attention"] > 0, routed
+    assert not any(routed["no-route"].values()), routed
