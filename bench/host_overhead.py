@@ -14,7 +14,8 @@ and reports microseconds per layer for the forward alone (the part that ran host
 launch rate (the kernels are too small to be the bottleneck); on a CPU it measures dispatch plus tiny kernels.
 
   python3 bench/host_overhead.py [--device cpu|cuda] [--layers 12] [--reps 30] [--json PATH] [--cprofile N]
-Variants of the bmtrain row (--variants, comma list): route (default routing), no-route (BMT_ROUTE_TORCH_OPS=0),
+Variants of the bmtrain row (--variants, comma list): route (default routing; BMT_ROUTE_MECHANISM=mode for the
+TorchFunctionMode, recorded as route_mechanism), no-route (BMT_ROUTE_TORCH_OPS=0),
 ckpt (use_checkpoint=True: the backward runs the forward again). --cprofile N prints the N functions with the most
 own time in the bmtrain forward (Python's cProfile; stretches the run, so not timed).
 Environment: BMT_CALL_ID, BMT_GIT_COMMIT, BMT_BENCH_MACHINE as in torchops_gpt.py.
@@ -128,7 +129,8 @@ def main():
                 f"git -C '{os.path.dirname(os.path.abspath(__file__))}' rev-parse --short HEAD 2>/dev/null"),
             "call_id": call_id, "machine": os.environ.get("BMT_BENCH_MACHINE") or socket.gethostname(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "routed_calls": routed})
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "routed_calls": routed,
+            "route_mechanism": os.environ.get("BMT_ROUTE_MECHANISM", "patch") if routed else None})
 
     torch.manual_seed(0)
     for ckpt in (False, True):

@@ -2,8 +2,8 @@
 
 A BMTrain user writes layers with torch's ops (F.linear, F.layer_norm, F.scaled_dot_product_attention) inside
 bmt.Blocks and computes an fp32 F.cross_entropy on the logits. While a Block's forward runs (its first run and the
-backward's recompute), a torch.overrides.TorchFunctionMode sends those calls to the engine's own ops, which compute
-the same function:
+backward's recompute), those calls go to the engine's own ops, which compute the same function (caught by wrappers of
+torch.nn.functional's functions or by a torch.overrides.TorchFunctionMode: BMT_ROUTE_MECHANISM, below run_routed):
 
   F.linear(x, w, b)                         -> bmtrain._C.nn.linear (CUDA: the bias gradient by our column
                                                reduction; the forward and the other gradients are torch's GEMMs)
@@ -328,24 +328,96 @@ def _track_upcast(func, args, kwargs, out):
         _remember(out, args[0], ())
 
 
-_tls = threading.local()  # depth: Block forward functions running on this thread
+# ----------------------------------------------------------------------------------- how a Block run is routed
+#
+# Two mechanisms take the same routes (the functions above):
+#  "patch" (default): while a routed Block run is on some thread, torch.nn.functional's linear, layer_norm,
+#      scaled_dot_product_attention and gelu are wrappers that route the call when their own thread is inside a
+#      routed Block run and call torch's function otherwise (other threads, torch.compile tracing); torch's functions
+#      are put back when the last run ends. Every other call goes to torch untouched: under any TorchFunctionMode a
+#      torch call costs ~1.4 µs more in C++, a Python-level one (F.layer_norm, Tensor.split) ~5 µs
+#      (bench/host_overhead.py: -26% of a small layer's forward host time).
+#  "mode": the TorchFunctionMode above for the whole run, which also routes calls that bypass the module attribute
+#      (`from torch.nn.functional import linear` made before, torch._C._nn.linear). BMT_ROUTE_MECHANISM=mode.
+# A checkpointed Block's recompute that defers its tail linears (recompute_tail.py) always runs under the mode: it must
+# see every call that reads a deferred tensor.
+
+_tls = threading.local()  # depth: Block forward functions running on this thread; patched: routed runs by "patch"
+_PATCHED = {"linear": ("linear", _linear), "layer_norm": ("layer_norm", _layer_norm),
+            "scaled_dot_product_attention": ("attention", _attention), "gelu": ("gelu_linear", _gelu)}
+_torch_functions = {name: getattr(F, name) for name in _PATCHED}  # torch's own, taken at import
+_patch_lock = threading.Lock()
+_patch_users = 0  # routed runs by "patch" in progress, over all threads
+
+
+def _mechanism():
+    v = os.environ.get("BMT_ROUTE_MECHANISM", "patch").strip().lower()
+    if v not in ("patch", "mode"):
+        raise ValueError(f"BMT_ROUTE_MECHANISM={v!r}: use patch (the default) or mode")
+    return v
+
+
+def _wrapper(fname, name, route, original):
+    def routed(*args, **kwargs):
+        if not _is_compiling() and getattr(_tls, "patched", 0) and name in _on():
+            out = route(args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return original(*args, **kwargs)
+    routed.__name__, routed.__qualname__ = fname, fname
+    routed.__doc__, routed.__wrapped__ = original.__doc__, original
+    return routed
+
+
+_wrappers = {fname: _wrapper(fname, name, route, _torch_functions[fname]) for fname, (name, route) in _PATCHED.items()}
+
+
+def _patch_enter():
+    global _patch_users
+    with _patch_lock:
+        _patch_users += 1
+        if _patch_users == 1:
+            for fname, w in _wrappers.items():
+                setattr(F, fname, w)
+
+
+def _patch_exit():
+    global _patch_users
+    with _patch_lock:
+        _patch_users -= 1
+        if _patch_users == 0:
+            for fname, f in _torch_functions.items():
+                setattr(F, fname, f)
 
 
 def run_routed(module, run):
-    """run() under the routing mode unless routing is off or `module` is torch.compile'd."""
+    """run() with the layers' calls routed, unless routing is off or `module` is torch.compile'd."""
     tls = _tls
     depth = tls.depth = getattr(tls, "depth", 0) + 1
     try:
         if not _on() or _is_compiled(module):
             return run()
-        mode = getattr(tls, "mode", None)
-        if mode is None:  # one per thread (it holds no state of a run), pushed once per Block run
-            mode = tls.mode = _RoutingMode(layers=True)
         prev = recompute_tail.begin(depth)
         out, completed = None, False
         try:
-            with mode:
-                out = run()
+            if recompute_tail.active() or _mechanism() == "mode":
+                mode = getattr(tls, "mode", None)
+                if mode is None:  # one per thread (it holds no state of a run)
+                    mode = tls.mode = _RoutingMode(layers=True)
+                patched, tls.patched = getattr(tls, "patched", 0), 0  # (the mode routes; the wrappers step aside)
+                try:
+                    with mode:
+                        out = run()
+                finally:
+                    tls.patched = patched
+            else:
+                _patch_enter()
+                tls.patched = getattr(tls, "patched", 0) + 1
+                try:
+                    out = run()
+                finally:
+                    tls.patched -= 1
+                    _patch_exit()
             completed = True
         finally:
             recompute_tail.end(prev, out, completed)

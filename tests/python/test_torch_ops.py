@@ -20,6 +20,15 @@ def test_torch_ops(launcher, case, world):
     run_case(launcher, WORKER, case, world)
 
 
+@pytest.mark.parametrize("case", ["layers_match_plain_ops", "attention_variants", "gelu_then_linear_takes_the_fused_backward",
+                                  "route_mechanism_is_scoped", "routing_switch_from_code"])
+def test_torch_ops_mode_mechanism(launcher, case):
+    """BMT_ROUTE_MECHANISM=mode: the same routes through the TorchFunctionMode for the whole Block run."""
+    res = launcher.result(WORKER, 2, extra_args=("mode",), extra_env={"BMT_ROUTE_MECHANISM": "mode"})
+    skip = res.check(case)
+    assert not skip, skip
+
+
 @pytest.mark.parametrize("case", ["layers_match_plain_ops", "attention_variants", "cross_entropy_of_upcast_logits"])
 def test_torch_ops_env_off(launcher, case):
     """BMT_ROUTE_TORCH_OPS=0: nothing is routed and the results still equal the plain ops."""

@@ -180,6 +180,51 @@ def routing_switch_from_code():
                   ["conv"])
 
 
+class _Probe(bmt.DistributedModule):
+    """A layer that records, during its forward, what torch.nn.functional.linear is and whether a call of it from
+    another thread was routed."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = bmt.DistributedParameter(torch.randn(dim, dim) * 0.1)
+        self.seen = {}
+
+    def forward(self, x):
+        import threading
+        self.seen["linear_is_torch"] = F.linear is torch._C._nn.linear
+        before = bmt.torch_ops.routed_counts()["linear"]
+        a, b = torch.randn(4, x.shape[-1]), torch.randn(3, x.shape[-1])
+        t = threading.Thread(target=lambda: F.linear(a, b))
+        t.start()
+        t.join()
+        self.seen["other_thread_routed"] = bmt.torch_ops.routed_counts()["linear"] - before
+        return F.linear(x, self.weight)
+
+
+@case
+def route_mechanism_is_scoped():
+    """BMT_ROUTE_MECHANISM=patch (default): inside a routed Block run torch.nn.functional.linear is the routing
+    wrapper, outside torch's own again; "mode": torch's own throughout (the TorchFunctionMode routes). Either way a
+    call from another thread during the run is not routed, and the layer's call is."""
+    if ROUTE_OFF:
+        raise Skip("routing is off for this launch")
+    mech = os.environ.get("BMT_ROUTE_MECHANISM", "patch")
+    probe = _Probe(16)
+    block = bmt.Block(probe, use_checkpoint=False)
+    bmt.torch_ops.routed_counts(reset=True)
+    x = torch.randn(2, 16, device=device(), requires_grad=True)
+    block(x).sum().backward()
+    bmt.torch_ops.close_window()
+    if probe.seen["linear_is_torch"] != (mech == "mode"):
+        raise AssertionError(f"mechanism {mech}: inside the run F.linear is torch's own: {probe.seen}")
+    if probe.seen["other_thread_routed"] != 0:
+        raise AssertionError(f"mechanism {mech}: another thread's F.linear was routed: {probe.seen}")
+    if F.linear is not torch._C._nn.linear or F.layer_norm is not bmt.torch_ops._torch_functions["layer_norm"]:
+        raise AssertionError("torch.nn.functional was not restored after the Block run")
+    if bmt.torch_ops.routed_counts(reset=True)["linear"] != 1:
+        raise AssertionError("the layer's own F.linear was not routed exactly once")
+
+
 # ---------------------------------------------------------------------------------------------- the loss
 
 def _lm(dtype, use_checkpoint=True):
