@@ -275,10 +275,13 @@ def _cross_entropy(args, kwargs):
                                   float(a.get("label_smoothing", 0.0)), False, False)
 
 
-_ROUTES = {torch._C._nn.linear: ("linear", _linear), F.layer_norm: ("layer_norm", _layer_norm),
-           torch._C._nn.gelu: ("gelu_linear", _gelu),
-           torch._C._nn.scaled_dot_product_attention: ("attention", _attention),
-           F.cross_entropy: ("cross_entropy", _cross_entropy)}
+# torch.nn.functional's name -> (the op's name in OPS, its route); the mode keys them by the function it sees
+_PATCHED = {"linear": ("linear", _linear), "layer_norm": ("layer_norm", _layer_norm),
+            "scaled_dot_product_attention": ("attention", _attention), "gelu": ("gelu_linear", _gelu)}
+_SEEN_BY_MODE = {"linear": torch._C._nn.linear, "layer_norm": F.layer_norm, "gelu": torch._C._nn.gelu,
+                 "scaled_dot_product_attention": torch._C._nn.scaled_dot_product_attention}
+_ROUTES = {_SEEN_BY_MODE[fname]: route for fname, route in _PATCHED.items()}
+_ROUTES[F.cross_entropy] = ("cross_entropy", _cross_entropy)  # the loss window's (never patched: not in a Block)
 
 
 _is_compiling = torch.compiler.is_compiling
@@ -343,18 +346,22 @@ def _track_upcast(func, args, kwargs, out):
 # see every call that reads a deferred tensor.
 
 _tls = threading.local()  # depth: Block forward functions running on this thread; patched: routed runs by "patch"
-_PATCHED = {"linear": ("linear", _linear), "layer_norm": ("layer_norm", _layer_norm),
-            "scaled_dot_product_attention": ("attention", _attention), "gelu": ("gelu_linear", _gelu)}
 _torch_functions = {name: getattr(F, name) for name in _PATCHED}  # torch's own, taken at import
 _patch_lock = threading.Lock()
 _patch_users = 0  # routed runs by "patch" in progress, over all threads
 
 
-def _mechanism():
-    v = os.environ.get("BMT_ROUTE_MECHANISM", "patch").strip().lower()
-    if v not in ("patch", "mode"):
-        raise ValueError(f"BMT_ROUTE_MECHANISM={v!r}: use patch (the default) or mode")
-    return v
+_use_mode = None  # BMT_ROUTE_MECHANISM == "mode"; read from the environment on first use
+
+
+def _mechanism_is_mode():
+    global _use_mode
+    if _use_mode is None:
+        v = os.environ.get("BMT_ROUTE_MECHANISM", "patch").strip().lower()
+        if v not in ("patch", "mode"):
+            raise ValueError(f"BMT_ROUTE_MECHANISM={v!r}: use patch (the default) or mode")
+        _use_mode = v == "mode"
+    return _use_mode
 
 
 def _wrapper(fname, name, route, original):
@@ -400,7 +407,7 @@ def run_routed(module, run):
         prev = recompute_tail.begin(depth)
         out, completed = None, False
         try:
-            if recompute_tail.active() or _mechanism() == "mode":
+            if recompute_tail.active() or _mechanism_is_mode():
                 mode = getattr(tls, "mode", None)
                 if mode is None:  # one per thread (it holds no state of a run)
                     mode = tls.mode = _RoutingMode(layers=True)

@@ -16,6 +16,18 @@ namespace {
 
 at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().requires_grad_(true); }
 
+// A linear's operands x [sizes], w [12, 16], b [12], the output gradient, and two leaf copies of each operand.
+struct LinearOperands {
+  at::Tensor x0, w0, b0, dy, x1, w1, b1, x2, w2, b2;
+  explicit LinearOperands(const std::vector<int64_t>& sizes)
+      : x0(at::randn(sizes)), w0(at::randn({12, 16})), b0(at::randn({12})) {
+    std::vector<int64_t> out_sizes = sizes;
+    out_sizes.back() = 12;
+    dy = at::randn(out_sizes);
+    x1 = leaf(x0), w1 = leaf(w0), b1 = leaf(b0), x2 = leaf(x0), w2 = leaf(w0), b2 = leaf(b0);
+  }
+};
+
 }  // namespace
 
 TEST(ColumnReduceCpu, ColumnSumMatchesADoubleSum) {
@@ -66,11 +78,9 @@ TEST(ColumnReduceCpu, PlanCoversEveryRowWithinTheGridLimit) {
 TEST(FusedReductions, LinearGradientsMatchAtLinear) {
   at::manual_seed(3);
   for (auto sizes : {std::vector<int64_t>{4, 5, 16}, std::vector<int64_t>{9, 16}}) {
-    at::Tensor x0 = at::randn(sizes), w0 = at::randn({12, 16}), b0 = at::randn({12});
-    std::vector<int64_t> out_sizes = sizes;
-    out_sizes.back() = 12;
-    at::Tensor dy = at::randn(out_sizes);
-    at::Tensor x1 = leaf(x0), w1 = leaf(w0), b1 = leaf(b0), x2 = leaf(x0), w2 = leaf(w0), b2 = leaf(b0);
+    const LinearOperands o(sizes);
+    const at::Tensor& dy = o.dy;
+    const at::Tensor &x1 = o.x1, &w1 = o.w1, &b1 = o.b1, &x2 = o.x2, &w2 = o.w2, &b2 = o.b2;
     at::Tensor y1 = bmt::nn::linear_reduced_bias_grad(x1, w1, b1);
     at::Tensor y2 = at::linear(x2, w2, b2);
     EXPECT_TRUE(at::equal(y1, y2));  // the forward is at::linear's
@@ -87,11 +97,9 @@ TEST(FusedReductions, LinearGradientsMatchAtLinear) {
 TEST(FusedReductions, DeferredLinearIsTheNodeWithoutTheGemm) {
   at::manual_seed(4);
   for (auto sizes : {std::vector<int64_t>{4, 5, 16}, std::vector<int64_t>{9, 16}}) {
-    at::Tensor x0 = at::randn(sizes), w0 = at::randn({12, 16}), b0 = at::randn({12});
-    std::vector<int64_t> out_sizes = sizes;
-    out_sizes.back() = 12;
-    at::Tensor dy = at::randn(out_sizes);
-    at::Tensor x1 = leaf(x0), w1 = leaf(w0), b1 = leaf(b0), x2 = leaf(x0), w2 = leaf(w0), b2 = leaf(b0);
+    const LinearOperands o(sizes);
+    const at::Tensor &x0 = o.x0, &w0 = o.w0, &b0 = o.b0, &dy = o.dy;
+    const at::Tensor &x1 = o.x1, &w1 = o.w1, &b1 = o.b1, &x2 = o.x2, &w2 = o.w2, &b2 = o.b2;
     at::Tensor y1 = bmt::nn::linear_deferred(x1, w1, b1);
     at::Tensor y2 = bmt::nn::linear_reduced_bias_grad(x2, w2, b2);
     EXPECT_EQ(y1.sizes(), y2.sizes());
