@@ -312,6 +312,7 @@ TEST(TrainGptCli, InspectEveryWritesParameterStatisticsToTheMetrics) {
     EXPECT_TRUE(contains(lines[i], "\"inspect.layers.0.")) << lines[i];
     EXPECT_FALSE(contains(lines[i], "\"inspect.wte.weight.grad_std\": null")) << lines[i];
   }
+  remove_root(root);
 }
 
 // Pipeline parallelism: --pp 2 (two stages of one rank, 1F1B over 4 micro-batches) trains, evaluates through the

@@ -46,6 +46,7 @@ def launch_env(out_dir):
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["BMT_TEST_OUT"] = out_dir
+    env["PET_LOG_DIR"] = os.path.join(out_dir, "torchelastic")  # torchrun's --log-dir (else a /tmp folder it leaves)
     env["PYTHONUNBUFFERED"] = "1"
     # Workers import their helpers from workers/ (the script's own folder is on sys.path already).
     env["PYTHONPATH"] = os.pathsep.join(p for p in [WORKERS, env.get("PYTHONPATH", "")] if p)
@@ -55,10 +56,11 @@ def launch_env(out_dir):
     return env
 
 
-def run_torchrun(script, args, nproc, timeout_s=None, extra_env=None, out_dir=None):
-    """Runs `torchrun --standalone --nproc_per_node nproc script args...`; returns (rc, output, timed_out)."""
+def run_torchrun(script, args, nproc, out_dir, timeout_s=None, extra_env=None):
+    """Runs `torchrun --standalone --nproc_per_node nproc script args...` writing its results and logs under
+    out_dir (the caller's, removed by the caller); returns (rc, output, timed_out)."""
     timeout_s = timeout_s or float(os.environ.get("BMT_TEST_TIMEOUT", "120"))
-    env = launch_env(out_dir or tempfile.mkdtemp(prefix="bmt_pytest_"))
+    env = launch_env(out_dir)
     env.update(extra_env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            script] + list(args)

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -55,14 +54,13 @@ def test_torch_compile_in_block(launcher, case, world):
     assert not skip, skip
 
 
-def test_torchops_bench_smoke():
+def test_torchops_bench_smoke(tmp_path):
     """bench/torchops_gpt.py on the tiny preset, CPU: the package (routing and step inside the backward on),
     plain PyTorch and FSDP2 each write one JSON row with the benchmark's fields."""
-    out = tempfile.mkdtemp(prefix="bmt_torchops_bench_")
-    path = os.path.join(out, "rows.jsonl")
+    path = str(tmp_path / "rows.jsonl")
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", BMT_CALL_ID="smoke-call",
                PYTHONPATH=os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", "")] if p),
-               BMT_STEP_IN_BACKWARD="auto")
+               BMT_STEP_IN_BACKWARD="auto", PET_LOG_DIR=str(tmp_path / "torchelastic"))
     script = os.path.join(REPO, "bench", "torchops_gpt.py")
     runs = [["--framework", "bmtrain", "--dtype", "bf16", "--checkpointing"], ["--framework", "plain"],
             ["--framework", "fsdp2"]]
@@ -89,10 +87,9 @@ def test_torchops_bench_smoke():
     assert abs(rows[1]["loss_first"] - rows[2]["loss_first"]) < 1e-4
 
 
-def test_host_overhead_bench_smoke():
+def test_host_overhead_bench_smoke(tmp_path):
     """bench/host_overhead.py on CPU: one row per framework and variant with positive per-layer times."""
-    out = tempfile.mkdtemp(prefix="bmt_host_overhead_")
-    path = os.path.join(out, "rows.jsonl")
+    path = str(tmp_path / "rows.jsonl")
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", BMT_CALL_ID="smoke-call")
     cmd = [sys.executable, os.path.join(REPO, "bench", "host_overhead.py"), "--device", "cpu", "--layers", "2",
            "--reps", "2", "--json", path]
