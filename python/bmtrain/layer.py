@@ -89,7 +89,10 @@ class DistributedModule(torch.nn.Module):
         return value
 
     def __call__(self, *args, **kwargs):
-        for name, p in self._parameters.items():
+        d = self.__dict__
+        for name, p in d["_parameters"].items():
+            if name in d:  # published as an attribute: its Block is running (block_layer._run_call)
+                break
             if _is_distributed_type(type(p)):  # a module's parameters all belong to one Block, or none
                 if _C.param_state(p) == _IN_IDLE_BLOCK:
                     raise RuntimeError(

@@ -730,6 +730,72 @@ def inner_module_called_outside_block():
         blk(x)  # the Block itself still works afterwards
 
 
+class _AttrProbe(bmt.DistributedModule):
+    """Records, at each forward, what its attributes are inside the running Block."""
+
+    def __init__(self, sub=None):
+        super().__init__()
+        self.w = bmt.DistributedParameter(torch.ones(D, D) * 0.5)
+        self.sub = sub
+        self.seen = []
+        self.fail = False
+
+    def forward(self, x):
+        d = self.__dict__
+        self.seen.append({"w_published": d.get("w") is self._parameters["w"], "w_shape": tuple(self.w.shape),
+                          "sub_published": self.sub is not None and d.get("sub") is self._modules["sub"]})
+        if self.fail:
+            raise ValueError("the probe fails on purpose")
+        y = x @ self.w
+        return y + self.sub(x) if self.sub is not None else y
+
+
+def _unpublished(*modules):
+    """No registered parameter or submodule is also an instance attribute."""
+    return not any(name in m.__dict__ for m in modules for name in (*m._parameters, *m._modules))
+
+
+@case
+def attributes_inside_a_running_block():
+    """Inside a running Block each DistributedModule's parameters and submodules are plain instance attributes (the
+    full parameters, the registries' own objects); none is left after the run, after a failed run, or after the
+    recompute of a checkpointed Block; the result is the same as without (BMT_BLOCK_ATTRIBUTES=0)."""
+    import os
+    x = rank_input(rank(), B, D, requires_grad=True)
+    outs = {}
+    for switch in ("1", "0"):
+        os.environ["BMT_BLOCK_ATTRIBUTES"] = switch
+        try:
+            inner = _AttrProbe(sub=_AttrProbe())
+            blk = bmt.Block(inner, use_checkpoint=True)
+        finally:
+            del os.environ["BMT_BLOCK_ATTRIBUTES"]
+        bmt.init_parameters(blk)
+        if not _unpublished(inner, inner.sub):
+            raise AssertionError(f"BMT_BLOCK_ATTRIBUTES={switch}: attributes published before any run")
+        out = blk(x)
+        if not _unpublished(inner, inner.sub):
+            raise AssertionError(f"BMT_BLOCK_ATTRIBUTES={switch}: attributes left after the forward")
+        out.sum().backward()  # the recompute runs the forward again
+        if not _unpublished(inner, inner.sub):
+            raise AssertionError(f"BMT_BLOCK_ATTRIBUTES={switch}: attributes left after the recompute")
+        want = switch == "1"
+        for where, seen in (("outer", inner.seen), ("inner", inner.sub.seen)):
+            if len(seen) != 2:
+                raise AssertionError(f"{where}: {len(seen)} runs recorded, want 2 (forward and recompute)")
+            for s in seen:
+                if s["w_shape"] != (D, D):
+                    raise AssertionError(f"{where}: the parameter read in the run has shape {s['w_shape']}")
+                if s["w_published"] != want or (where == "outer" and s["sub_published"] != want):
+                    raise AssertionError(f"BMT_BLOCK_ATTRIBUTES={switch}, {where}: published {s}, want {want}")
+        inner.fail = True
+        expect_raises("a failing forward", (ValueError,), lambda: blk(x), must_mention=("on purpose",))
+        if not _unpublished(inner, inner.sub):
+            raise AssertionError(f"BMT_BLOCK_ATTRIBUTES={switch}: attributes left after a failed run")
+        outs[switch] = out.detach()
+    assert_equal("the output with and without published attributes", outs["1"], outs["0"])
+
+
 @case
 def block_rejects_plain_parameters():
     M = make(BMT)
