@@ -16,7 +16,8 @@ launch rate (the kernels are too small to be the bottleneck); on a CPU it measur
   python3 bench/host_overhead.py [--device cpu|cuda] [--layers 12] [--reps 30] [--json PATH] [--cprofile N]
 Variants of the bmtrain row (--variants, comma list): route (default routing; BMT_ROUTE_MECHANISM=mode for the
 TorchFunctionMode, recorded as route_mechanism), no-route (BMT_ROUTE_TORCH_OPS=0),
-ckpt (use_checkpoint=True: the backward runs the forward again). --cprofile N prints the N functions with the most
+ckpt (use_checkpoint=True: the backward runs the forward again), no-attrs (route with BMT_BLOCK_ATTRIBUTES=0: a
+parameter read inside a running Block goes through DistributedModule.__getattr__). --cprofile N prints the N functions with the most
 own time in the bmtrain forward (Python's cProfile; stretches the run, so not timed).
 Environment: BMT_CALL_ID, BMT_GIT_COMMIT, BMT_BENCH_MACHINE as in torchops_gpt.py.
 """
@@ -130,7 +131,8 @@ def main():
             "call_id": call_id, "machine": os.environ.get("BMT_BENCH_MACHINE") or socket.gethostname(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "routed_calls": routed,
-            "route_mechanism": os.environ.get("BMT_ROUTE_MECHANISM", "patch") if routed else None})
+            "route_mechanism": os.environ.get("BMT_ROUTE_MECHANISM", "patch") if routed else None,
+            "block_attributes": None if framework == "plain" else variant != "no-attrs"})
 
     torch.manual_seed(0)
     for ckpt in (False, True):
@@ -138,9 +140,14 @@ def main():
         row("plain", "ckpt" if ckpt else "eager", *measure(plain, a, device, dtype, sync))
         del plain
     for variant in [v for v in a.variants.split(",") if v]:
-        if variant not in ("route", "no-route", "ckpt"):
+        if variant not in ("route", "no-route", "ckpt", "no-attrs"):
             ap.error(f"--variants: unknown variant {variant!r}")
-        model = build("bmtrain", a, device, dtype, variant == "ckpt")
+        if variant == "no-attrs":  # read when a Block is built
+            os.environ["BMT_BLOCK_ATTRIBUTES"] = "0"
+        try:
+            model = build("bmtrain", a, device, dtype, variant == "ckpt")
+        finally:
+            os.environ.pop("BMT_BLOCK_ATTRIBUTES", None)
         with bmt.torch_ops.routing(variant != "no-route"):
             bmt.torch_ops.routed_counts(reset=True)
             times = measure(model, a, device, dtype, sync)

@@ -120,10 +120,16 @@ class _Attributes:
             return published
         for d, params, modules in self.tables:
             for registry in (params, modules):
-                for name, value in registry.items():
-                    if name not in d:
-                        d[name] = value
-                        published.append((d, name))
+                if not registry:
+                    continue
+                if d.keys().isdisjoint(registry):  # always, unless a run on this module is already in progress
+                    d.update(registry)
+                    published.append((d, tuple(registry)))
+                else:
+                    names = tuple(name for name in registry if name not in d)
+                    for name in names:
+                        d[name] = registry[name]
+                    published.append((d, names))
         return published
 
     def _compiled(self):
@@ -159,8 +165,9 @@ def _run_call(module, attributes, tensors, call):
     try:
         return torch_ops.run_routed(module, lambda: call.run(module, tensors))
     finally:
-        for d, name in published:
-            d.pop(name, None)
+        for d, names in published:
+            for name in names:
+                d.pop(name, None)
 
 
 class Block(torch.nn.Module):
