@@ -27,6 +27,10 @@ the first cross-entropy it routes. In it, `.float()` / `.to(torch.float32)` of a
 (with the views taken of it afterwards: view, reshape, flatten, slicing), so that F.cross_entropy on the result can
 be computed from the half tensor: the fp32 copy then lives only during the call that made it.
 
+FP8 (opt-in, not in BMTrain): BMT_ROUTE_FP8=1 or set_fp8(True) / `with fp8(True): ...` sends a routed F.linear to
+bmtrain._C.nn.fp8_linear instead (its three GEMMs in FP8; bmt.nn.fp8_linear) when its shapes qualify (rows, in and
+out features multiples of 16); linears outside Blocks (an LM head, the loss) stay as written.
+
 Off switches: BMT_ROUTE_TORCH_OPS=0 (everything) or BMT_ROUTE_TORCH_OPS=linear,layer_norm (only those; names
 below); from code, set_routing(False) / set_routing(True, ops=(...)), or `with routing(False): ...`.
 A Block whose module is torch.compile'd runs without the mode (the compiled graph has its own kernels).
@@ -62,7 +66,7 @@ def _from_env():
 
 
 _enabled = None  # the set of routed op names; read from the environment on first use
-_counts = dict.fromkeys(OPS, 0)
+_counts = dict.fromkeys(OPS + ("fp8_linear",), 0)  # fp8_linear: routed linears that ran in FP8
 
 
 def _on():
@@ -87,6 +91,38 @@ def set_routing(enabled, ops=None):
 def routed_ops():
     """The op names currently routed (a copy)."""
     return set(_on())
+
+
+_fp8 = None  # whether a routed F.linear runs in FP8; BMT_ROUTE_FP8, read on first use
+
+
+def _fp8_on():
+    global _fp8
+    if _fp8 is None:
+        v = os.environ.get("BMT_ROUTE_FP8", "0").strip().lower()
+        if v not in ("0", "1", "", "on", "off", "true", "false"):
+            raise ValueError(f"BMT_ROUTE_FP8={v!r}: use 1 (routed linears in FP8) or 0 (the default)")
+        _fp8 = v in ("1", "on", "true")
+    return _fp8
+
+
+def set_fp8(enabled):
+    """Routed F.linear calls inside Blocks run as FP8 GEMMs (bmt.nn.fp8_linear) or not; returns the previous
+    setting. Takes effect at the next call (a checkpointed Block's recompute uses the setting of its backward)."""
+    global _fp8
+    prev = _fp8_on()
+    _fp8 = bool(enabled)
+    return prev
+
+
+@contextlib.contextmanager
+def fp8(enabled=True):
+    """Context manager form of set_fp8; restores the previous setting on exit."""
+    prev = set_fp8(enabled)
+    try:
+        yield
+    finally:
+        set_fp8(prev)
 
 
 @contextlib.contextmanager
@@ -142,6 +178,10 @@ def _linear(args, kwargs):
         return NotImplemented
     if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and _plain(x, w, b)) or w.dim() != 2:
         return NotImplemented
+    fp8 = _fp8 if _fp8 is not None else _fp8_on()
+    if fp8 and _C.nn.fp8_linear_applies(x, w) and (b is None or b.dtype == x.dtype):
+        _counts["fp8_linear"] += 1  # (no deferral and no GELU epilogue: the FP8 GEMMs are the point)
+        return _C.nn.fp8_linear(x, w, b, None)
     # in a checkpointed Block's recompute: the node without its GEMM until the output is read (recompute_tail.py)
     defer = b is not None and recompute_tail.active()
     if _gelus:

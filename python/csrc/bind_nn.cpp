@@ -1,10 +1,12 @@
 // bmtrain._C: the layer ops of the C++ nn (linear, layer_norm, gelu_mlp, linear_after_gelu, linear_residual,
-// causal_attention), so Python's bmt.nn layers and the routed torch ops (torch_ops.py) get the same kernels.
+// causal_attention, fp8_linear), so Python's bmt.nn layers and the routed torch ops (torch_ops.py) get the same kernels.
 #include <pybind11/stl.h>
 
 #include <optional>
 
+#include "bmt/core/error.h"
 #include "bmt/nn/attention.h"
+#include "bmt/nn/fp8_linear.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "py_support.h"
@@ -58,6 +60,27 @@ void bind_nn(py::module_& m) {
          py::arg("residual"), py::call_guard<py::gil_scoped_release>());
   nn.def("causal_attention", &bmt::nn::causal_attention, py::arg("query"), py::arg("key"), py::arg("value"),
          py::call_guard<py::gil_scoped_release>());
+  // FP8 linears (nn/fp8_linear.h): grad_format "e5m2" / "e4m3", or None for the process default (BMT_FP8_GRAD).
+  const auto grad_format = [](const std::optional<std::string>& name) -> bmt::nn::Fp8Format {
+    if (!name) return bmt::nn::fp8_grad_format();
+    if (*name == "e5m2") return bmt::nn::Fp8Format::kE5M2;
+    if (*name == "e4m3") return bmt::nn::Fp8Format::kE4M3;
+    BMT_ERROR("fp8_linear: grad_format ", *name, " is not 'e5m2' or 'e4m3'");
+  };
+  nn.def(
+      "fp8_linear",
+      [opt, grad_format](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         const std::optional<std::string>& grad) {
+        return bmt::nn::fp8_linear(x, weight, opt(bias), grad_format(grad));
+      },
+      py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("grad_format") = py::none(),
+      py::call_guard<py::gil_scoped_release>());
+  nn.def("fp8_linear_applies", &bmt::nn::fp8_linear_applies, py::arg("input"), py::arg("weight"));
+  nn.def("fp8_grad_format",
+         [] { return std::string(bmt::nn::fp8_grad_format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2"); });
+  nn.def("set_fp8_grad_format", [grad_format](const std::string& name) {
+    bmt::nn::set_fp8_grad_format(grad_format(name));
+  }, py::arg("grad_format"));
 }
 
 }  // namespace bmt::python

@@ -28,6 +28,15 @@ def causal_attention(query, key, value):
     return _nn.causal_attention(query, key, value)
 
 
+def fp8_linear(input, weight, bias=None, grad_format=None):
+    """y = input weightᵀ + bias with its three GEMMs in FP8 (the engine's nn::fp8_linear, through torch._scaled_mm:
+    Hopper's FP8 tensor cores on GPUs, torch's CPU kernel on CPUs): E4M3 input and weight, the gradient in
+    grad_format ("e5m2", the default from BMT_FP8_GRAD, or "e4m3"); dynamic per-tensor scales computed on the device;
+    output, master weights and gradients in the input's dtype. Falls back to the plain linear when a GEMM dimension
+    (rows, in or out features) is not a multiple of 16 or the dtype is not fp32 / bf16 / fp16. Not in BMTrain."""
+    return _nn.fp8_linear(input, weight, bias, grad_format)
+
+
 def _dtype(dtype):
     return dtype if dtype is not None else torch.get_default_dtype()
 
@@ -64,11 +73,13 @@ class OpLinear(torch.autograd.Function):
 
 class Linear(DistributedModule):
     """BMTrain's Linear(in_features, out_features, bias=True, dtype=None): weight (out, in) xavier_normal_,
-    bias zeros."""
+    bias zeros. Keyword-only extra (not in BMTrain): fp8=True runs its GEMMs in FP8 (fp8_linear above); the
+    attribute `fp8` may be changed between steps."""
 
-    def __init__(self, in_features, out_features, bias=True, dtype=None):
+    def __init__(self, in_features, out_features, bias=True, dtype=None, *, fp8=False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.fp8 = bool(fp8)
         dt = _dtype(dtype)
         self.weight = DistributedParameter(torch.empty(out_features, in_features, dtype=dt),
                                            init_method=torch.nn.init.xavier_normal_)
@@ -76,10 +87,13 @@ class Linear(DistributedModule):
                      if bias else None)
 
     def forward(self, input):
+        if self.fp8:
+            return _nn.fp8_linear(input, self.weight, self.bias, None)
         return _nn.linear(input, self.weight, self.bias)
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                + (", fp8=True" if self.fp8 else ""))
 
 
 def _overlap(chunks):

@@ -1,0 +1,133 @@
+"""FP8 linears from Python (bmt.nn.fp8_linear, bmt.nn.Linear(fp8=True), routed F.linear under bmt.torch_ops.fp8):
+against an fp64 product of the operands as the cast leaves them (per-tensor scale = fp8_max / amax, round to nearest
+even, saturate), computed here independently of the engine, within the accumulation's rounding."""
+import torch
+import torch.nn.functional as F
+
+import bmtrain as bmt
+from common import assert_equal, case, device, expect_raises, full_grad, main, on_cuda, randn, rank, rank_input, world
+
+ROWS, IN, OUT = 32, 64, 48  # every GEMM dimension a multiple of 16 (the FP8 path's condition)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def dequantized(t, dtype):
+    """t as the FP8 cast leaves it, in fp64: scale = fp8_max / amax in fp32, round(t * scale) / scale."""
+    fmax = torch.finfo(dtype).max
+    scale = torch.tensor(fmax, dtype=torch.float32, device=t.device) / t.detach().abs().max().float()
+    q = (t.detach().float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q.double() / scale.double()
+
+
+def check_product(what, got, a, b):
+    """got ≈ a @ b.T (fp64 operands) within the rounding of a float32 sum of k products, the output's own rounding
+    and, on GPUs, the forward's fast accumulation (~14-bit partial sums)."""
+    want = a @ b.t()
+    k = a.shape[1]
+    rel = k * 2.0 ** -14 if on_cuda() else (k + 2) * 2.0 ** -23
+    bound = rel * (a.abs() @ b.abs().t()) + 1e-30
+    err = (got.double() - want).abs()
+    if not bool((err <= bound).all()):
+        i = int((err - bound).argmax())
+        raise AssertionError(f"{what}: element {i} is {got.reshape(-1)[i].item()}, want {want.reshape(-1)[i].item()} "
+                             f"(error {err.reshape(-1)[i].item():.3g} > bound {bound.reshape(-1)[i].item():.3g})")
+    return want
+
+
+def _w(seed):
+    return randn(OUT, IN, seed=seed, scale=0.1), randn(OUT, seed=seed + 1, scale=0.1)
+
+
+@case
+def fp8_linear_function_matches_the_dequantized_product():
+    """bmt.nn.fp8_linear on plain tensors, both gradient formats: y, dx, dW, db against fp64 products."""
+    for fmt, gdt in (("e5m2", E5M2), ("e4m3", E4M3)):
+        x = rank_input(rank(), ROWS, IN, seed=11, requires_grad=True)
+        w0, b0 = _w(12)
+        w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        y = bmt.nn.fp8_linear(x, w, b, grad_format=fmt)
+        check_product(f"{fmt} forward", y - b0, dequantized(x, E4M3), dequantized(w0, E4M3))
+        if torch.equal(y, F.linear(x, w0, b0)):
+            raise AssertionError("fp8_linear returned the full-precision product: the FP8 path did not run")
+        g = rank_input(rank(), ROWS, OUT, seed=13)
+        (y * g).sum().backward()
+        check_product(f"{fmt} dgrad", x.grad, dequantized(g, gdt), dequantized(w0, E4M3).t())
+        check_product(f"{fmt} wgrad", w.grad, dequantized(g, gdt).t(), dequantized(x, E4M3).t())
+        if not torch.allclose(b.grad.double(), g.double().sum(0), rtol=1e-6, atol=1e-6):
+            raise AssertionError(f"{fmt}: the bias gradient is not the sum of the output gradient's rows")
+
+
+@case
+def fp8_linear_falls_back_and_refuses_bad_formats():
+    x, w = rank_input(rank(), ROWS, IN - 8, seed=21), randn(OUT, IN - 8, seed=22)  # 56 features: not FP8
+    if bmt._C.nn.fp8_linear_applies(x, w):
+        raise AssertionError("fp8_linear_applies accepts 56 input features")
+    assert_equal("fallback to the plain linear", bmt.nn.fp8_linear(x, w), bmt._C.nn.linear(x, w))
+    x, w = rank_input(rank(), ROWS, IN, seed=23), randn(OUT, IN, seed=24)
+    expect_raises("grad_format='e3m4'", (RuntimeError, ValueError), lambda: bmt.nn.fp8_linear(x, w, None, "e3m4"),
+                  must_mention=("e3m4", "e5m2"))
+
+
+class _TwoLinears(bmt.DistributedModule):
+    """A layer written with torch's functional linear (the routed path), and bmt.nn.Linear(fp8=True)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = bmt.DistributedParameter(torch.empty(OUT, IN))
+        self.b = bmt.DistributedParameter(torch.empty(OUT))
+        self.lin = bmt.nn.Linear(OUT, IN, dtype=torch.float32, fp8=True)
+
+    def forward(self, x):
+        return self.lin(F.linear(x, self.w, self.b))
+
+
+def _everyone(t):
+    """Every rank's t (a list, rank order)."""
+    with torch.no_grad():
+        return list(bmt.distributed.all_gather(t.detach().contiguous())) if world() > 1 else [t.detach()]
+
+
+@case
+def fp8_in_a_block_matches_the_dequantized_products():
+    """A checkpointed ZeRO-3 Block (every world size) holding a routed F.linear under bmt.torch_ops.fp8() and an
+    FP8 bmt.nn.Linear: each GEMM against the fp64 product of its operands as cast (the hidden activation and its
+    gradient read where the Block made them), the parameters' gradients summed over every rank's micro-batch."""
+    model = bmt.Block(_TwoLinears(), use_checkpoint=True)
+    w1, b1 = _w(31)
+    w2, b2 = randn(IN, OUT, seed=33, scale=0.1), randn(IN, seed=34, scale=0.1)
+    model.load_state_dict({"w": w1.cpu(), "b": b1.cpu(), "lin.weight": w2.cpu(), "lin.bias": b2.cpu()})
+    seen = {}
+
+    def keep_input(module, args):  # the hidden activation h (the forward's; the recompute's is the same)
+        h = args[0]
+        seen.setdefault("h", h.detach().clone())
+        if h.requires_grad:
+            h.register_hook(lambda grad: seen.__setitem__("dh", grad.detach().clone()))
+    model.lin.register_forward_pre_hook(keep_input)
+    bmt.torch_ops.routed_counts(reset=True)
+    with bmt.torch_ops.fp8(True):
+        x = rank_input(rank(), ROWS, IN, seed=35, requires_grad=True)
+        y = model(x)
+        g = rank_input(rank(), ROWS, IN, seed=36)
+        (y * g).sum().backward()
+    counts = bmt.torch_ops.routed_counts(reset=True)
+    if counts["fp8_linear"] != 2 or counts["linear"] != 0:  # the forward and the checkpoint's recompute
+        raise AssertionError(f"the routed F.linear did not run in FP8 in both runs: {counts}")
+    h, dh = seen["h"], seen["dh"]
+    check_product("routed F.linear forward", h - b1, dequantized(x, E4M3), dequantized(w1, E4M3))
+    check_product("Linear(fp8) forward", y - b2, dequantized(h, E4M3), dequantized(w2, E4M3))
+    check_product("Linear(fp8) dgrad", dh, dequantized(g, E5M2), dequantized(w2, E4M3).t())
+    check_product("routed F.linear dgrad", x.grad, dequantized(dh, E5M2), dequantized(w1, E4M3).t())
+    xs, hs, dhs, gs = _everyone(x), _everyone(h), _everyone(dh), _everyone(g)
+    cat = lambda ts, fmt: torch.cat([dequantized(t, fmt).t() for t in ts], dim=1)  # noqa: E731
+    check_product("lin.weight gradient (all ranks)", full_grad(model.lin.weight, "lin.weight"), cat(gs, E5M2),
+                  cat(hs, E4M3))
+    check_product("w gradient (all ranks)", full_grad(model.w, "w"), cat(dhs, E5M2), cat(xs, E4M3))
+    with bmt.torch_ops.fp8(False):
+        model(x)
+    if bmt.torch_ops.routed_counts(reset=True)["fp8_linear"] != 0:
+        raise AssertionError("bmt.torch_ops.fp8(False): the routed linear still ran in FP8")
+
+
+if __name__ == "__main__":
+    main()
