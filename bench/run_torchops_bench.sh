@@ -13,6 +13,9 @@
 #                           (variant no-gelu-linear) and, checkpointed, BMT_RECOMPUTE_SKIP_TAIL=0 (no-skip-tail)
 #   TORCHOPS_BUDGET_S=560   wall-clock budget; a run starts only while >= 40 s remain, its timeout is what is left
 #   TORCHOPS_HOST=1         first, bench/host_overhead.py on the GPU: host µs per layer, rows in the same file
+#   TORCHOPS_FP8=0          1: only issue 34's FP8 rows, at 1p3b and 6p7b_ckpt (or the CONFIGs given): the package
+#                           bf16 and --fp8, FSDP2 + torchao float8 eager and compiled (torchao from .deps/wheels,
+#                           scripts/prepare_device_deps.sh), the engine's bf16 and --fp8
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
 # The C++ engine's rows use its own best settings per config (124m --cuda-graphs; checkpointed configs
 # --step-in-backward; offload --offload-grad-bf16 --offload-async); its config string is mapped to the five names
@@ -83,7 +86,7 @@ if sys.argv[2] == "bmt":  # the engine's row under the five names
     rec["engine_config"], rec["engine_framework"] = rec.get("config"), rec.get("framework")
     rec["framework"], rec["config"] = "bmt", sys.argv[3]
 rec["call_id"] = os.environ["BMT_CALL_ID"]
-rec.setdefault("variant", "eager")
+rec.setdefault("variant", "fp8" if rec.get("fp8") else "eager")
 print(json.dumps(rec))
 PY
     echo "[torchops_bench] $id: $(grep '^RESULT' "$log" | tail -1 | sed 's/^RESULT //') [$(( $(date +%s) - t0 ))s]"
@@ -99,6 +102,28 @@ if [ "${TORCHOPS_HOST:-1}" = 1 ] && [ "$SMOKE" != 1 ]; then
     --device cuda --json "$RESULTS" > "$LOGDIR/host_overhead.log" 2>&1 \
     && grep '^RESULT' "$LOGDIR/host_overhead.log" | sed 's/^/[torchops_bench] host: /' \
     || { echo "[torchops_bench] host_overhead failed:"; tail -5 "$LOGDIR/host_overhead.log"; }
+fi
+if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
+  if ! python3 -c "import torchao" 2>/dev/null && ls .deps/wheels/torchao-*.whl >/dev/null 2>&1; then
+    pip install -q --no-deps .deps/wheels/torchao-*.whl
+  fi
+  [ "$#" -eq 0 ] && CONFIGS=(1p3b 6p7b_ckpt)
+  for cfg in "${CONFIGS[@]}"; do
+    shape_of "$cfg" || exit 2
+    run_one "bmtpy_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P
+    run_one "bmtpy_fp8_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P --fp8
+    run_one "bmt_$cfg" bmt "$CANON" "$BIN" --framework bmt $C
+    run_one "bmt_fp8_$cfg" bmt "$CANON" "$BIN" --framework bmt $C --fp8
+    if python3 -c "import torchao" 2>/dev/null; then
+      run_one "fsdp2_fp8_$cfg" py "$CANON" "${PY[@]}" --framework fsdp2 $P --fp8
+      run_one "fsdp2_fp8_compile_$cfg" py "$CANON" "${PY[@]}" --framework fsdp2 $P --fp8 --compile
+    else
+      echo "[torchops_bench] torchao not importable (scripts/prepare_device_deps.sh puts its wheel in .deps/wheels):" \
+        "no FSDP2 + torchao rows"
+    fi
+  done
+  CONFIGS=()
+  TORCHOPS_ABLATE=0 TORCHOPS_COMPILE=0
 fi
 for cfg in "${CONFIGS[@]}"; do
   shape_of "$cfg" || exit 2

@@ -50,9 +50,11 @@ PRESETS = {  # name: (layers, dim, heads, ffn, seq, batch)
 FRAMEWORK_NAMES = {"bmtrain": "bmtrain-py-torchops", "plain": "plain", "fsdp2": "fsdp2"}
 
 
-def build_model_classes(Base, param, normal, zeros, ones):
+def build_model_classes(Base, param, normal, zeros, ones, torch_linear=False):
     """The GPT's classes over a module base class and a parameter factory param(shape, init) (bmtrain's
-    DistributedParameter or torch's Parameter): the model code is the same for every framework."""
+    DistributedParameter or torch's Parameter): the model code is the same for every framework. torch_linear: the
+    layers' linears are torch.nn.Linear modules (same parameters, drawn in the same order), which torchao's float8
+    conversion swaps (the --fp8 rows of plain and fsdp2)."""
 
     class Linear(Base):
         def __init__(self, fin, fout):
@@ -62,6 +64,12 @@ def build_model_classes(Base, param, normal, zeros, ones):
 
         def forward(self, x):
             return F.linear(x, self.weight, self.bias)
+
+    if torch_linear:
+        def Linear(fin, fout):  # noqa: F811
+            m = nn.Linear(fin, fout, device="meta")
+            m.weight, m.bias = param((fout, fin), normal), param((fout,), zeros)
+            return m
 
     class LayerNorm(Base):
         def __init__(self, dim, eps=1e-5):
@@ -156,6 +164,8 @@ def setup_bmtrain(a, shape, dtype):
 
     model = GPT(L, d, H, ff, T, stack)
     bmt.init_parameters(model)
+    if a.fp8:  # the routed F.linear inside the Blocks in FP8; the tied LM head outside them stays bf16
+        bmt.torch_ops.set_fp8(True)
     # AdamW, as the plain and fsdp2 rows (fp32 parameters default to BMTrain's L2 weight decay)
     adam = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True)
     opt = (bmt.optim.AdamOffloadOptimizer if a.offload else bmt.optim.AdamOptimizer)(model.parameters(), **adam)
@@ -184,9 +194,13 @@ def setup_torch(a, shape, device):
         with torch.no_grad():
             return nn.Parameter(inits[how](torch.empty(shape_, device=device)))
 
-    GPT, Layer = build_model_classes(nn.Module, param, "normal", "zeros", "ones")
+    GPT, Layer = build_model_classes(nn.Module, param, "normal", "zeros", "ones", torch_linear=a.fp8)
     model = GPT(L, d, H, ff, T, lambda layers: Sequential(layers, a.checkpointing))
     cuda = device.type == "cuda"
+    if a.fp8:  # torchao's float8 training (tensorwise dynamic scaling, its default) on the layers' linears
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(model.blocks, config=Float8LinearConfig(
+            enable_fsdp_float8_all_gather=a.framework == "fsdp2"))
     if a.framework == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -255,6 +269,9 @@ def main():
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--offload", action="store_true", help="bmtrain: AdamOffloadOptimizer")
     ap.add_argument("--compile", action="store_true", help="compile every layer module (Module.compile())")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the layers' linears in FP8: bmtrain through bmt.torch_ops.set_fp8 (the engine's "
+                         "fp8_linear), plain and fsdp2 through torchao.float8 (needs torchao)")
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                     help="bmtrain's parameter dtype (auto: bf16 on GPUs, fp32 on CPUs)")
     ap.add_argument("--variant", default="", help="a label for this row (e.g. no-route), stored in the JSON")
@@ -300,7 +317,7 @@ def main():
     config = f"{a.preset} seq{T} batch{B}" + (" ckpt" if a.checkpointing else "") + (" offload" if a.offload else "")
     framework = FRAMEWORK_NAMES[a.framework]
     if rank0:
-        print(f"torchops_gpt: {framework}{' compiled' if a.compile else ''} | {config} | world {info['world']} | "
+        print(f"torchops_gpt: {framework}{' compiled' if a.compile else ''}{' fp8' if a.fp8 else ''} | {config} | world {info['world']} | "
               f"L{L} d{d} h{H} ff{ff} vocab {VOCAB} on {device} | {n_params / 1e6:.1f}M params | "
               f"{info['precision']} | {info['optimizer']} | torch {torch.__version__}", flush=True)
 
@@ -354,14 +371,19 @@ def main():
     if rank0:
         print(f"torchops_gpt: setup {t_setup:.1f} s, warm-up {a.warmup} steps {t_warmup:.1f} s; "
               f"loss {loss_first:.4f} -> {loss_last:.4f}" + (f"; {extra}" if extra else ""))
-        print(f"RESULT framework={framework} config=\"{config}\"{' compile' if a.compile else ''} "
+        print(f"RESULT framework={framework} config=\"{config}\"{' compile' if a.compile else ''}"
+              f"{' fp8' if a.fp8 else ''} "
               f"tokens_per_s={tokens_per_s:.0f} step_s={total / a.steps:.4f} (median {srt[len(srt) // 2]:.4f}) "
               f"mfu={'n/a' if mfu is None else f'{100 * mfu:.4g}%'} "
               f"peak_gpu_gib={'n/a' if peak is None else f'{peak:.4g}'}", flush=True)
     if a.json and rank0:
         rec = {
             "bench": "train-torchops", "framework": framework, "config": config,
-            "variant": a.variant or ("compile" if a.compile else "eager"), "compile": a.compile,
+            "variant": a.variant or ("fp8 " if a.fp8 else "") + ("compile" if a.compile else "eager"),
+            "compile": a.compile, "fp8": a.fp8,
+            "fp8_recipe": (("bmt fp8_linear: per-tensor dynamic, E4M3 fwd, "
+                            + (os.environ.get("BMT_FP8_GRAD") or "e5m2") + " grads")
+                           if a.framework == "bmtrain" else "torchao float8 tensorwise") if a.fp8 else None,
             "tokens_per_s": tokens_per_s, "peak_gpu_gib": peak,
             "git_commit": os.environ.get("BMT_GIT_COMMIT")
             or shell(f"git -C '{os.path.dirname(os.path.abspath(__file__))}' rev-parse --short HEAD 2>/dev/null")

@@ -56,14 +56,14 @@ def test_torch_compile_in_block(launcher, case, world):
 
 def test_torchops_bench_smoke(tmp_path):
     """bench/torchops_gpt.py on the tiny preset, CPU: the package (routing and step inside the backward on),
-    plain PyTorch and FSDP2 each write one JSON row with the benchmark's fields."""
+    plain PyTorch, FSDP2 and the package with --fp8 each write one JSON row with the benchmark's fields."""
     path = str(tmp_path / "rows.jsonl")
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", BMT_CALL_ID="smoke-call",
                PYTHONPATH=os.pathsep.join(p for p in [os.environ.get("PYTHONPATH", "")] if p),
                BMT_STEP_IN_BACKWARD="auto", PET_LOG_DIR=str(tmp_path / "torchelastic"))
     script = os.path.join(REPO, "bench", "torchops_gpt.py")
     runs = [["--framework", "bmtrain", "--dtype", "bf16", "--checkpointing"], ["--framework", "plain"],
-            ["--framework", "fsdp2"]]
+            ["--framework", "fsdp2"], ["--framework", "bmtrain", "--fp8"]]
     for extra in runs:
         cmd = [sys.executable, script, "--preset", "tiny", "--warmup", "1", "--steps", "2", "--json", path] + extra
         if extra[1] == "bmtrain":  # world 1 through torchrun's environment
@@ -71,7 +71,7 @@ def test_torchops_bench_smoke(tmp_path):
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
         assert r.returncode == 0, f"{extra}: rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     rows = [json.loads(line) for line in open(path)]
-    assert [r["framework"] for r in rows] == ["bmtrain-py-torchops", "plain", "fsdp2"]
+    assert [r["framework"] for r in rows] == ["bmtrain-py-torchops", "plain", "fsdp2", "bmtrain-py-torchops"]
     for r in rows:
         for key in ("framework", "config", "tokens_per_s", "peak_gpu_gib", "git_commit", "call_id"):
             assert key in r, f"{r['framework']}: no {key}"
@@ -85,6 +85,10 @@ def test_torchops_bench_smoke(tmp_path):
     assert bmt_row["step_in_backward"] is True
     # the same initial values and batches: the first loss of every framework agrees
     assert abs(rows[1]["loss_first"] - rows[2]["loss_first"]) < 1e-4
+    # --fp8: every linear inside the Blocks ran as an FP8 GEMM (the tied LM head outside them is not routed)
+    fp8 = rows[3]
+    assert fp8["fp8"] is True and fp8["variant"] == "fp8 eager" and bmt_row["fp8"] is False
+    assert fp8["routed_calls"]["fp8_linear"] > 0 and fp8["routed_calls"]["linear"] == 0, fp8["routed_calls"]
 
 
 def test_host_overhead_bench_smoke(tmp_path):
