@@ -29,7 +29,8 @@ be computed from the half tensor: the fp32 copy then lives only during the call 
 
 FP8 (opt-in, not in BMTrain): BMT_ROUTE_FP8=1 or set_fp8(True) / `with fp8(True): ...` sends a routed F.linear to
 bmtrain._C.nn.fp8_linear instead (its three GEMMs in FP8; bmt.nn.fp8_linear) when its shapes qualify (rows, in and
-out features multiples of 16); linears outside Blocks (an LM head, the loss) stay as written.
+out features multiples of 16); linears outside Blocks (an LM head, the loss) stay as written, and so do those of the
+Blocks given to set_fp8_exclude (e.g. the first and last layers).
 
 Off switches: BMT_ROUTE_TORCH_OPS=0 (everything) or BMT_ROUTE_TORCH_OPS=linear,layer_norm (only those; names
 below); from code, set_routing(False) / set_routing(True, ops=(...)), or `with routing(False): ...`.
@@ -46,8 +47,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import _C, recompute_tail
 from .torch_ops_switches import (OPS, fp8, fp8_on, routed_counts, routed_ops, routing, set_fp8,  # noqa: F401
-                                 set_routing)
-from .torch_ops_switches import _counts, _on  # (module state the routes read and count in)
+                                 set_fp8_exclude, set_routing)
+from .torch_ops_switches import _counts, _fp8_excluded, _on  # (module state the routes read and count in)
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -85,7 +86,8 @@ def _linear(args, kwargs):
         return NotImplemented
     if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and _plain(x, w, b)) or w.dim() != 2:
         return NotImplemented
-    if fp8_on() and _C.nn.fp8_linear_applies(x, w) and (b is None or b.dtype == x.dtype):
+    if (fp8_on() and (not _fp8_excluded or getattr(_tls, "module", None) not in _fp8_excluded)
+            and _C.nn.fp8_linear_applies(x, w) and (b is None or b.dtype == x.dtype)):
         _counts["fp8_linear"] += 1  # (no deferral and no GELU epilogue: the FP8 GEMMs are the point)
         return _C.nn.fp8_linear(x, w, b, None)
     # in a checkpointed Block's recompute: the node without its GEMM until the output is read (recompute_tail.py)
@@ -347,6 +349,7 @@ def run_routed(module, run):
     """run() with the layers' calls routed, unless routing is off or `module` is torch.compile'd."""
     tls = _tls
     depth = tls.depth = getattr(tls, "depth", 0) + 1
+    outer, tls.module = getattr(tls, "module", None), module  # the running Block's module (FP8 exclusions)
     try:
         if not _on() or _is_compiled(module):
             return run()
@@ -377,6 +380,7 @@ def run_routed(module, run):
         return out
     finally:
         tls.depth -= 1
+        tls.module = outer
         if not tls.depth:
             _gelus.clear()
 

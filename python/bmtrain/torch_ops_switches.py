@@ -2,6 +2,9 @@
 routes themselves are in torch_ops.py, which re-exports everything here."""
 import contextlib
 import os
+import weakref
+
+import torch
 
 OPS = ("linear", "layer_norm", "attention", "cross_entropy", "gelu_linear")
 _ENV = "BMT_ROUTE_TORCH_OPS"
@@ -70,14 +73,34 @@ def set_fp8(enabled):
     return prev
 
 
+_fp8_excluded = weakref.WeakSet()  # inner modules of Blocks whose routed linears stay as written
+
+
+def set_fp8_exclude(blocks):
+    """Blocks (or their inner modules) whose routed F.linear calls stay as written while FP8 is on, e.g. the first
+    and last layers; replaces the previous list (empty: none, the default) and returns it."""
+    prev = list(_fp8_excluded)
+    mods = [getattr(b, "inner_module", b) for b in blocks]
+    for m in mods:
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"set_fp8_exclude: expected Blocks or modules, got {type(m).__name__}")
+    _fp8_excluded.clear()
+    for m in mods:
+        _fp8_excluded.add(m)
+    return prev
+
+
 @contextlib.contextmanager
-def fp8(enabled=True):
-    """Context manager form of set_fp8; restores the previous setting on exit."""
+def fp8(enabled=True, exclude=None):
+    """Context manager form of set_fp8 (and of set_fp8_exclude when exclude is given); restores both on exit."""
     prev = set_fp8(enabled)
+    prev_excluded = set_fp8_exclude(exclude) if exclude is not None else None
     try:
         yield
     finally:
         set_fp8(prev)
+        if prev_excluded is not None:
+            set_fp8_exclude(prev_excluded)
 
 
 @contextlib.contextmanager

@@ -129,5 +129,36 @@ def fp8_in_a_block_matches_the_dequantized_products():
         raise AssertionError("bmt.torch_ops.fp8(False): the routed linear still ran in FP8")
 
 
+class _OneLinear(bmt.DistributedModule):
+    def __init__(self):
+        super().__init__()
+        self.w = bmt.DistributedParameter(torch.empty(IN, IN), init_method=torch.nn.init.normal_)
+        self.b = bmt.DistributedParameter(torch.empty(IN), init_method=torch.nn.init.normal_)
+
+    def forward(self, x):
+        return F.linear(x, self.w, self.b)
+
+
+@case
+def fp8_exclude_keeps_blocks_as_written():
+    """bmt.torch_ops.fp8(True, exclude=...) / set_fp8_exclude: the routed linears of the Blocks given (or of their
+    modules) stay as written, the others run in FP8; the exclusions end with the context."""
+    lst = bmt.TransformerBlockList([bmt.Block(_OneLinear(), use_checkpoint=False) for _ in range(3)])
+    bmt.init_parameters(lst)
+    x = rank_input(rank(), ROWS, IN, seed=41)
+    for excluded, want in (([], 3), ([lst[0], lst[2]], 1), ([lst[1].inner_module], 2)):
+        bmt.torch_ops.routed_counts(reset=True)
+        with torch.no_grad(), bmt.torch_ops.fp8(True, exclude=excluded):
+            lst(x)
+        c = bmt.torch_ops.routed_counts(reset=True)
+        if (c["fp8_linear"], c["linear"]) != (want, 3 - want):
+            raise AssertionError(f"exclude {len(excluded)} Block(s): {c['fp8_linear']} FP8 and {c['linear']} plain "
+                                 f"linears, want {want} and {3 - want}")
+    if bmt.torch_ops.set_fp8_exclude([]) != []:
+        raise AssertionError("the exclusions outlived their context")
+    expect_raises("set_fp8_exclude([3])", (TypeError,), lambda: bmt.torch_ops.set_fp8_exclude([3]),
+                  must_mention=("Blocks or modules",))
+
+
 if __name__ == "__main__":
     main()
