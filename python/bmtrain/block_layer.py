@@ -14,14 +14,13 @@ parameters (requires_grad=False) get no gradient.
 """
 import copy
 import functools
-import os
-import sys
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _C, torch_ops
 from .layer import DistributedModule, check_apply, load_distributed, save_distributed
+from .utils import env_switch
 from .parameter import DistributedParameter
 
 
@@ -105,13 +104,13 @@ class _Attributes:
     shadowed. Not while any module of the tree is torch.compile'd (dynamo treats an instance attribute unlike a
     registered parameter), nor with BMT_BLOCK_ATTRIBUTES=0 (read when the Block is built)."""
 
-    __slots__ = ("tables", "dicts")
+    __slots__ = ("module", "tables", "children")
 
     def __init__(self, module):
-        off = os.environ.get("BMT_BLOCK_ATTRIBUTES", "1").strip().lower() in ("0", "off", "false")
-        mods = [] if off else list(module.modules())
+        mods = list(module.modules()) if env_switch("BMT_BLOCK_ATTRIBUTES", True) else []
+        self.module = module
         self.tables = [(m.__dict__, m._parameters, m._modules) for m in mods if isinstance(m, DistributedModule)]
-        self.dicts = [m.__dict__ for m in mods]
+        self.children = [m._modules for m in mods]  # read at each run: a child may be replaced by its compiled form
 
     def publish(self):
         """Sets the attributes; returns what to take out afterwards."""
@@ -133,29 +132,16 @@ class _Attributes:
         return published
 
     def _compiled(self):
-        # module.compile() (in place) or a child replaced by torch.compile(child) since the Block was built
-        optimized = _optimized_module_type()
-        for d in self.dicts:
-            if d.get("_compiled_call_impl") is not None:
-                return True
-            if optimized is not None:
-                for child in d["_modules"].values():
-                    if type(child) is optimized:
-                        return True
+        # every module of the tree is the Block's module or a child of one: compiled in place (module.compile()) or
+        # replaced by torch.compile(child) since the Block was built
+        is_compiled = torch_ops.is_compiled
+        if is_compiled(self.module):
+            return True
+        for registry in self.children:
+            for child in registry.values():
+                if child is not None and is_compiled(child):
+                    return True
         return False
-
-
-_optimized = None
-
-
-def _optimized_module_type():
-    """torch.compile's module wrapper type, once torch._dynamo is loaded (none can exist before)."""
-    global _optimized
-    if _optimized is None:
-        ef = sys.modules.get("torch._dynamo.eval_frame")
-        if ef is not None:
-            _optimized = ef.OptimizedModule
-    return _optimized
 
 
 def _run_call(module, attributes, tensors, call):

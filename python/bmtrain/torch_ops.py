@@ -351,7 +351,7 @@ def run_routed(module, run):
     depth = tls.depth = getattr(tls, "depth", 0) + 1
     outer, tls.module = getattr(tls, "module", None), module  # the running Block's module (FP8 exclusions)
     try:
-        if not _on() or _is_compiled(module):
+        if not _on() or is_compiled(module):
             return run()
         prev = recompute_tail.begin(depth)
         out, completed = None, False
@@ -385,7 +385,8 @@ def run_routed(module, run):
             _gelus.clear()
 
 
-def _is_compiled(module):
+def is_compiled(module):
+    """Whether `module` is torch.compile'd: in place (module.compile()) or the wrapper torch.compile(module) made."""
     # module.compile() sets _compiled_call_impl; torch.compile(module) is an OptimizedModule whose _orig_mod is a
     # submodule (looked up in the dicts: a missing attribute through nn.Module.__getattr__ costs an exception)
     d = module.__dict__

@@ -6,6 +6,8 @@ import weakref
 
 import torch
 
+from .utils import env_switch
+
 OPS = ("linear", "layer_norm", "attention", "cross_entropy", "gelu_linear")
 _ENV = "BMT_ROUTE_TORCH_OPS"
 
@@ -57,10 +59,7 @@ _fp8 = None  # whether a routed F.linear runs in FP8; BMT_ROUTE_FP8, read on fir
 def fp8_on():
     global _fp8
     if _fp8 is None:
-        v = os.environ.get("BMT_ROUTE_FP8", "0").strip().lower()
-        if v not in ("0", "1", "", "on", "off", "true", "false"):
-            raise ValueError(f"BMT_ROUTE_FP8={v!r}: use 1 (routed linears in FP8) or 0 (the default)")
-        _fp8 = v in ("1", "on", "true")
+        _fp8 = env_switch("BMT_ROUTE_FP8", False)
     return _fp8
 
 

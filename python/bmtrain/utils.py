@@ -1,11 +1,26 @@
 """print_block, print_dict, print_rank, see_memory, round_up, check_torch_version, tp_split_tensor, AverageRecorder,
-main_grad (BMTrain's bmtrain.utils)."""
+main_grad (BMTrain's bmtrain.utils);
+env_switch (ours: the on/off environment switches)."""
+import os
 import sys
 
 import torch
 
 from . import _C
 from .global_var import config
+
+
+def env_switch(name, default):
+    """An on/off environment switch (not in BMTrain): 1/on/true or 0/off/false, `default` when unset or empty; any
+    other value is an error that names the variable."""
+    v = os.environ.get(name, "").strip().lower()
+    if v == "":
+        return default
+    if v in ("1", "on", "true"):
+        return True
+    if v in ("0", "off", "false"):
+        return False
+    raise ValueError(f"{name}={v!r}: use 1 (on) or 0 (off)")
 
 
 def print_rank(*args, rank=0, **kwargs):
