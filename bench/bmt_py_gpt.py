@@ -9,12 +9,8 @@ the fused in-place cross-entropy. Launch with torchrun for several GPUs; alone i
       [--offload] [--json PATH]
 """
 import argparse
-import datetime
-import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -22,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import bmtrain as bmt
+from bench_rows import append_rows, git_commit, machine, utc_now  # (bench/: the script's folder)
 
 PEAK_FLOPS = 989e12
 VOCAB = 50304
@@ -91,13 +88,6 @@ class GPT(bmt.DistributedModule):
         x = F.embedding(idx, wte) + self.wpe[:T]
         x = self.blocks(x)
         return F.linear(self.ln_f(x), wte)
-
-
-def shell(cmd):
-    try:
-        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return ""
 
 
 def main():
@@ -191,11 +181,9 @@ def main():
         rec = {
             "bench": "train", "config": config, "framework": "bmt-python", "world": world,
             "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_gpu_gib": peak, "step_s": total / a.steps,
-            "git_commit": os.environ.get("BMT_GIT_COMMIT")
-            or shell(f"git -C '{os.path.dirname(os.path.abspath(__file__))}' rev-parse --short HEAD 2>/dev/null")
-            or "unknown",
-            "machine": os.environ.get("BMT_BENCH_MACHINE") or socket.gethostname(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "git_commit": git_commit(),
+            "machine": machine(),
+            "date": utc_now(),
             "preset": a.preset, "arch": "gpt", "seq": T, "batch": B, "steps": a.steps, "warmup": a.warmup,
             "checkpointing": a.checkpointing, "offload": a.offload, "zero": 3, "device": str(device),
             "params": n_params, "flops_per_token": flops_per_token, "step_s_median": srt[len(srt) // 2],
@@ -203,8 +191,7 @@ def main():
             "precision": f"{dtype} params, fp32 master and grads",
             "optimizer": "bmt.optim.AdamOffloadOptimizer" if a.offload else "bmt.optim.AdamOptimizer",
         }
-        with open(a.json, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_rows(a.json, [rec])
     return 0
 
 

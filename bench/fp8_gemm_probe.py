@@ -18,15 +18,14 @@ Environment: BMT_CALL_ID, BMT_GIT_COMMIT as in torchops_gpt.py. On a CPU (--devi
 reduced size as a check of the script, not a measurement.
 """
 import argparse
-import datetime
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+
+from bench_rows import append_rows, git_commit, machine, utc_now  # (bench/: the script's folder)
 
 PRESETS = {"gpt-1.3b": (2048, 8192), "gpt-6.7b": (4096, 16384)}
 
@@ -86,9 +85,6 @@ def main():
     run = timer(device, a.reps)
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     call_id = os.environ.get("BMT_CALL_ID", "")
-    commit = os.environ.get("BMT_GIT_COMMIT") or subprocess.run(
-        ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short", "HEAD"],
-        capture_output=True, text=True).stdout.strip()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"[fp8-probe] {a.preset} tokens {tokens} on {gpu}, torch {torch.__version__}", flush=True)
     rows, totals = [], {}
@@ -117,8 +113,8 @@ def main():
         for gemm, (m, n, k, bf16_fn, fp8_fn, ours_fast) in gemms.items():
             flop = 2.0 * m * n * k
             row = {"bench": "fp8-gemm-probe", "preset": a.preset, "linear": name, "gemm": gemm, "m": m, "n": n,
-                   "k": k, "device": gpu, "torch": torch.__version__, "git_commit": commit, "call_id": call_id,
-                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+                   "k": k, "device": gpu, "torch": torch.__version__, "git_commit": git_commit(), "call_id": call_id,
+                   "machine": machine(), "date": utc_now()}
             try:
                 row["bf16_ms"] = 1e3 * run(bf16_fn)
                 row["fp8_ms"] = 1e3 * run(lambda: fp8_fn(ours_fast))  # as nn::fp8_linear calls it
@@ -139,9 +135,7 @@ def main():
               f"(other accumulation {totals['fp8_other_accum_ms']:.3f} ms): {totals['bf16_ms'] / totals['fp8_ms']:.3f}x",
               flush=True)
     if a.json:
-        with open(a.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        append_rows(a.json, rows)
     return 0
 
 

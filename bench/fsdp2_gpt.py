@@ -19,12 +19,8 @@ torch.cuda.max_memory_allocated() / 2**30 over the whole run.
   python3 bench/fsdp2_gpt.py --device cpu --preset tiny --steps 3      # gloo on CPU (smoke test)
 """
 import argparse
-import datetime
-import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -33,6 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from bench_rows import append_rows, free_port, git_commit, machine, utc_now  # (bench/: the script's folder)
 
 PEAK_FLOPS = 989e12
 VOCAB = 50304
@@ -91,19 +89,6 @@ class GPT(nn.Module):
         for b in self.blocks:
             x = b(x)
         return F.linear(self.ln_f(x), self.wte.weight)  # tied output projection
-
-
-def shell(cmd):
-    try:
-        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return ""
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():
@@ -241,11 +226,9 @@ def main():
         rec = {
             "bench": "train", "config": config, "framework": "fsdp2", "world": 1,
             "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_gpu_gib": peak, "step_s": step_s,
-            "git_commit": os.environ.get("BMT_GIT_COMMIT")
-            or shell(f"git -C '{os.path.dirname(os.path.abspath(__file__))}' rev-parse --short HEAD 2>/dev/null")
-            or "unknown",
-            "machine": os.environ.get("BMT_BENCH_MACHINE") or socket.gethostname(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "git_commit": git_commit(),
+            "machine": machine(),
+            "date": utc_now(),
             "preset": a.preset, "arch": "gpt", "seq": T, "batch": B, "steps": a.steps, "warmup": a.warmup,
             "checkpointing": a.checkpointing, "offload": False, "zero": a.zero, "device": str(device),
             "params": n_params, "matmul_params": n_matmul, "flops_per_token": flops_per_token,
@@ -255,8 +238,7 @@ def main():
             "optimizer": "torch.optim.AdamW(fused)" if fused else "torch.optim.AdamW(foreach)",
             "torch": torch.__version__,
         }
-        with open(a.json, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_rows(a.json, [rec])
         print(f"fsdp2_gpt: appended to {a.json}")
     dist.destroy_process_group()
     return 0

@@ -23,12 +23,9 @@ Environment: BMT_CALL_ID, BMT_GIT_COMMIT, BMT_BENCH_MACHINE as in torchops_gpt.p
 """
 import argparse
 import cProfile
-import datetime
 import io
-import json
 import os
 import pstats
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_rows  # noqa: E402
 import torchops_gpt  # noqa: E402  (the model classes)
 
 
@@ -55,21 +53,12 @@ def timed(fn, reps, sync):
 
 def build(framework, a, device, dtype, checkpointing):
     if framework == "plain":
-        inits = {"normal": lambda t: t.normal_(0.0, 0.02), "zeros": lambda t: t.zero_(),
-                 "ones": lambda t: t.fill_(1.0)}
-
-        def param(shape, how):
-            with torch.no_grad():
-                return torch.nn.Parameter(inits[how](torch.empty(shape, device=device, dtype=dtype)))
-        _, Layer = torchops_gpt.build_model_classes(torch.nn.Module, param, "normal", "zeros", "ones")
+        _, Layer = torchops_gpt.build_model_classes(torch.nn.Module, torchops_gpt.torch_param(device, dtype),
+                                                    "normal", "zeros", "ones")
         return torchops_gpt.Sequential([Layer(a.dim, a.heads, 4 * a.dim) for _ in range(a.layers)], checkpointing)
     import bmtrain as bmt
-    init = {"normal": bmt.ParameterInitializer(torch.nn.init.normal_, mean=0.0, std=0.02),
-            "zeros": torch.nn.init.zeros_, "ones": torch.nn.init.ones_}
-
-    def param(shape, how):
-        return bmt.DistributedParameter(torch.empty(shape, dtype=dtype), init_method=init[how])
-    _, Layer = torchops_gpt.build_model_classes(bmt.DistributedModule, param, "normal", "zeros", "ones")
+    _, Layer = torchops_gpt.build_model_classes(bmt.DistributedModule, torchops_gpt.bmt_param(bmt, dtype),
+                                                "normal", "zeros", "ones")
     stack = bmt.TransformerBlockList([bmt.Block(Layer(a.dim, a.heads, 4 * a.dim), use_checkpoint=checkpointing)
                                       for _ in range(a.layers)])
     bmt.init_parameters(stack)
@@ -126,10 +115,8 @@ def main():
             "bench": "host-overhead", "framework": framework, "variant": variant,
             "config": f"L{a.layers} d{a.dim} h{a.heads} seq{a.seq} batch{a.batch}", "device": str(device),
             "dtype": str(dtype), "fwd_us_per_layer": fwd_us, "fwd_bwd_us_per_layer": both_us, "reps": a.reps,
-            "git_commit": os.environ.get("BMT_GIT_COMMIT") or torchops_gpt.shell(
-                f"git -C '{os.path.dirname(os.path.abspath(__file__))}' rev-parse --short HEAD 2>/dev/null"),
-            "call_id": call_id, "machine": os.environ.get("BMT_BENCH_MACHINE") or socket.gethostname(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "git_commit": bench_rows.git_commit(), "call_id": call_id, "machine": bench_rows.machine(),
+            "date": bench_rows.utc_now(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "routed_calls": routed,
             "route_mechanism": os.environ.get("BMT_ROUTE_MECHANISM", "patch") if routed else None,
             "block_attributes": None if framework == "plain" else variant != "no-attrs"})
@@ -165,9 +152,7 @@ def main():
                 print(s.getvalue())
         del model
     if a.json:
-        with open(a.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        bench_rows.append_rows(a.json, rows)
     return 0
 
 

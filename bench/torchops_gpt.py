@@ -25,12 +25,8 @@ torch.cuda.max_memory_allocated() after the warm-up. One process per run (world 
 Environment: BMT_CALL_ID (the call's id, same for every row of one call), BMT_GIT_COMMIT, BMT_BENCH_MACHINE.
 """
 import argparse
-import datetime
-import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -38,6 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from bench_rows import append_rows, free_port, git_commit, machine, utc_now  # (bench/: the script's folder)
 
 VOCAB = 50304
 PEAK_FLOPS = 989e12  # H200 bf16 dense
@@ -132,29 +130,30 @@ class Sequential(nn.Module):
         return x
 
 
-def shell(cmd):
-    try:
-        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return ""
+def torch_param(device, dtype=None):
+    """build_model_classes' parameter factory for plain torch: N(0, 0.02), zeros or ones, drawn from torch's RNG."""
+    inits = {"normal": lambda t: t.normal_(0.0, 0.02), "zeros": lambda t: t.zero_(), "ones": lambda t: t.fill_(1.0)}
+
+    def param(shape_, how):
+        with torch.no_grad():
+            return nn.Parameter(inits[how](torch.empty(shape_, device=device, dtype=dtype)))
+    return param
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def setup_bmtrain(a, shape, dtype):
-    import bmtrain as bmt
-    L, d, H, ff, T = shape
+def bmt_param(bmt, dtype):
+    """The same for bmtrain: DistributedParameters with the same initialisers (filled by bmt.init_parameters)."""
     init = {"normal": bmt.ParameterInitializer(torch.nn.init.normal_, mean=0.0, std=0.02),
             "zeros": torch.nn.init.zeros_, "ones": torch.nn.init.ones_}
 
     def param(shape_, how):
         return bmt.DistributedParameter(torch.empty(shape_, dtype=dtype), init_method=init[how])
+    return param
 
-    GPT, _ = build_model_classes(bmt.DistributedModule, param, "normal", "zeros", "ones")
+
+def setup_bmtrain(a, shape, dtype):
+    import bmtrain as bmt
+    L, d, H, ff, T = shape
+    GPT, _ = build_model_classes(bmt.DistributedModule, bmt_param(bmt, dtype), "normal", "zeros", "ones")
 
     def stack(layers):
         for layer in layers:
@@ -188,13 +187,7 @@ def setup_bmtrain(a, shape, dtype):
 
 def setup_torch(a, shape, device):
     L, d, H, ff, T = shape
-    inits = {"normal": lambda t: t.normal_(0.0, 0.02), "zeros": lambda t: t.zero_(), "ones": lambda t: t.fill_(1.0)}
-
-    def param(shape_, how):
-        with torch.no_grad():
-            return nn.Parameter(inits[how](torch.empty(shape_, device=device)))
-
-    GPT, Layer = build_model_classes(nn.Module, param, "normal", "zeros", "ones", torch_linear=a.fp8)
+    GPT, Layer = build_model_classes(nn.Module, torch_param(device), "normal", "zeros", "ones", torch_linear=a.fp8)
     model = GPT(L, d, H, ff, T, lambda layers: Sequential(layers, a.checkpointing))
     cuda = device.type == "cuda"
     if a.fp8:  # torchao's float8 training (tensorwise dynamic scaling, its default) on the layers' linears
@@ -317,7 +310,8 @@ def main():
     config = f"{a.preset} seq{T} batch{B}" + (" ckpt" if a.checkpointing else "") + (" offload" if a.offload else "")
     framework = FRAMEWORK_NAMES[a.framework]
     if rank0:
-        print(f"torchops_gpt: {framework}{' compiled' if a.compile else ''}{' fp8' if a.fp8 else ''} | {config} | world {info['world']} | "
+        print(f"torchops_gpt: {framework}{' compiled' if a.compile else ''}{' fp8' if a.fp8 else ''} | {config} | "
+              f"world {info['world']} | "
               f"L{L} d{d} h{H} ff{ff} vocab {VOCAB} on {device} | {n_params / 1e6:.1f}M params | "
               f"{info['precision']} | {info['optimizer']} | torch {torch.__version__}", flush=True)
 
@@ -385,12 +379,10 @@ def main():
                             + (os.environ.get("BMT_FP8_GRAD") or "e5m2") + " grads")
                            if a.framework == "bmtrain" else "torchao float8 tensorwise") if a.fp8 else None,
             "tokens_per_s": tokens_per_s, "peak_gpu_gib": peak,
-            "git_commit": os.environ.get("BMT_GIT_COMMIT")
-            or shell(f"git -C '{os.path.dirname(os.path.abspath(__file__))}' rev-parse --short HEAD 2>/dev/null")
-            or "unknown",
+            "git_commit": git_commit(),
             "call_id": os.environ.get("BMT_CALL_ID", ""),
-            "machine": os.environ.get("BMT_BENCH_MACHINE") or socket.gethostname(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "machine": machine(),
+            "date": utc_now(),
             "world": info["world"], "mfu": mfu, "step_s": total / a.steps, "step_s_median": srt[len(srt) // 2],
             "preset": a.preset, "seq": T, "batch": B, "steps": a.steps, "warmup": a.warmup,
             "checkpointing": a.checkpointing, "offload": a.offload, "device": str(device), "params": n_params,
@@ -400,8 +392,7 @@ def main():
                     ("BMT_GIT_COMMIT", "BMT_CALL_ID", "BMT_BENCH_MACHINE")},
             **extra,
         }
-        with open(a.json, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_rows(a.json, [rec])
     if a.framework == "fsdp2":
         torch.distributed.destroy_process_group()
     return 0
