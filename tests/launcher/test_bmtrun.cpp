@@ -207,7 +207,13 @@ TEST(Bmtrun, RankKilledBySignalIsNamedWithTheSignal) {
 }
 
 TEST(Bmtrun, RankIgnoringSigtermIsKilledAfterTheGracePeriod) {
-  Result r = bmtrun("--nproc 2 " + kFake + " ignore-term @1:exit=2 " + kSleep, kLimitS);
+  // Rank 1 fails only once rank 0 ignores SIGTERM (rank 0 touches a file after), else under load the SIGTERM can
+  // arrive before rank 0 got that far and the grace period is never needed.
+  TempPath ignoring;
+  ::unlink(ignoring.path.c_str());
+  Result r = bmtrun("--nproc 2 " + kFake + " ignore-term @0:touch=" + ignoring.path + " @1:wait-file=" + ignoring.path +
+                        " @1:exit=2 " + kSleep,
+                    kLimitS);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.output, "still running after the grace period: sending SIGKILL")) << r.output;
   EXPECT_TRUE(contains(r.output, "killed by signal SIGKILL")) << r.output;
