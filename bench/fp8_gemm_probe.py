@@ -12,6 +12,8 @@ bf16 output), for the layer's four linears and each of their three GEMMs:
 
 Each is also run with the other accumulation setting, and the bf16 GEMM with the same operand layouts (torch.mm).
 Median of --reps CUDA-event timings after warm-up; TFLOP/s and the FP8 / bf16 speed-up per GEMM and summed per layer.
+Where bmtrain imports (PYTHONPATH=<build>/python), each linear's whole forward + backward is also timed as the engine
+runs it: bmt's FP8 linear (casts and amax included) against its bf16 linear (rows with gemm "linear_fwd_bwd").
 
   python3 bench/fp8_gemm_probe.py [--preset gpt-1.3b|gpt-6.7b] [--tokens 16384] [--json PATH]
 Environment: BMT_CALL_ID, BMT_GIT_COMMIT as in torchops_gpt.py. On a CPU (--device cpu) it runs the same calls at a
@@ -67,6 +69,37 @@ def fp8(t, dtype):
     scale = (fmax / t.abs().max().float().clamp(min=1e-12))
     q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
     return q, (1.0 / scale).reshape(())
+
+
+def engine_linears(a, device, d, ff, tokens, run, gpu, call_id):
+    """Forward + backward of each linear through bmt's kernels, FP8 against bf16 (casts included); [] without bmt."""
+    try:
+        from bmtrain import _C
+    except ImportError as e:
+        print(f"[fp8-probe] bmtrain not importable ({e}): no engine linear rows", flush=True)
+        return []
+    rows, total = [], {"bf16": 0.0, "fp8": 0.0}
+    for name, fin, fout in linears(d, ff):
+        x = torch.randn(tokens, fin, device=device, dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(fout, fin, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()
+        dy = torch.randn(tokens, fout, device=device, dtype=torch.bfloat16) * 1e-3
+        ops = {"bf16": lambda: _C.nn.linear(x, w, None), "fp8": lambda: _C.nn.fp8_linear(x, w, None, None)}
+        row = {"bench": "fp8-gemm-probe", "preset": a.preset, "linear": name, "gemm": "linear_fwd_bwd",
+               "m": tokens, "n": fout, "k": fin, "device": gpu, "torch": torch.__version__, "git_commit": git_commit(),
+               "call_id": call_id, "machine": machine(), "date": utc_now()}
+        for kind, op in ops.items():
+            def step(op=op):
+                x.grad = w.grad = None
+                torch.autograd.backward(op(), dy)
+            row[f"{kind}_ms"] = 1e3 * run(step)
+            total[kind] += row[f"{kind}_ms"]
+        row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
+        rows.append(row)
+        print(f"RESULT linear={name} gemm=linear_fwd_bwd bf16_ms={row['bf16_ms']:.4g} fp8_ms={row['fp8_ms']:.4g} "
+              f"speedup={row['speedup']:.4g}", flush=True)
+    print(f"[fp8-probe] engine linears fwd+bwd: bf16 {total['bf16']:.3f} ms, fp8 {total['fp8']:.3f} ms: "
+          f"{total['bf16'] / total['fp8']:.3f}x", flush=True)
+    return rows
 
 
 def main():
@@ -130,6 +163,7 @@ def main():
             rows.append(row)
             print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in row.items() if k not in ("date", "torch", "device")), flush=True)
+    rows += engine_linears(a, device, d, ff, tokens, run, gpu, call_id)
     if totals.get("fp8_ms"):
         print(f"[fp8-probe] layer total: bf16 {totals['bf16_ms']:.3f} ms, fp8 {totals['fp8_ms']:.3f} ms "
               f"(other accumulation {totals['fp8_other_accum_ms']:.3f} ms): {totals['bf16_ms'] / totals['fp8_ms']:.3f}x",

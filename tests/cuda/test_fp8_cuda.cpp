@@ -2,6 +2,7 @@
 // formats, with and without the transposed copy, vector and scalar paths, odd shapes, a misaligned base, zero and
 // inf/NaN tensors), and nn::fp8_linear on the GPU (cuBLASLt's FP8 GEMMs through at::_scaled_mm) against the fp64
 // reference within the FP8 bound (tests/nn/fp8_reference.h). Needs compute capability 8.9+ for the GEMMs.
+// (Shapes whose rows and columns are multiples of 8 take the 8-wide transposing cast, the others the 32 x 32 one.)
 #include <gtest/gtest.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/autograd.h>
@@ -46,8 +47,9 @@ void compare(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t cols,
   at::Tensor stats = at::empty({3}, opts.dtype(at::kFloat));
   at::Tensor ws = at::empty({k::fp8_scale_workspace_numel(rows * cols)}, opts.dtype(at::kInt));
   at::Tensor q = at::zeros({rows * cols}, opts.dtype(at::kByte)), qt = at::zeros_like(q);
+  at::Tensor inv_copy = at::full({}, -1.0f, opts.dtype(at::kFloat));
   k::fp8_scale_cuda(src, dt, rows * cols, f, stats.data_ptr<float>(), static_cast<uint32_t*>(ws.data_ptr()),
-                    stream());
+                    stream(), inv_copy.data_ptr<float>());
   k::fp8_cast_cuda(src, dt, rows, cols, stats.data_ptr<float>(), f, rowwise ? q.data_ptr<uint8_t>() : nullptr,
                    transposed ? qt.data_ptr<uint8_t>() : nullptr, stream());
   const at::Tensor got_stats = stats.cpu();
@@ -55,6 +57,8 @@ void compare(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t cols,
     const float g = got_stats[i].item<float>(), w = want_stats[i];
     EXPECT_TRUE(g == w || (std::isnan(g) && std::isnan(w))) << what << ": stat " << i << " " << g << " vs " << w;
   }
+  const float inv = inv_copy.item<float>(), want_inv = want_stats[k::kFp8InvScale];
+  EXPECT_TRUE(inv == want_inv || (std::isnan(inv) && std::isnan(want_inv))) << what << ": inverse scale copy " << inv;
   if (std::isnan(want_stats[k::kFp8Scale])) {  // NaN scales: every byte a NaN (the sign may differ)
     if (rowwise) {
       EXPECT_TRUE((q.cpu().bitwise_and(0x7f) == 0x7f).all().item<bool>()) << what;
@@ -73,7 +77,9 @@ TEST(Fp8CastCuda, MatchesCpuTwinBitForBit) {
   struct Shape { int64_t rows, cols, offset; };
   for (at::ScalarType st : {at::kFloat, at::kBFloat16, at::kHalf}) {
     for (const Shape s : {Shape{1, 1, 0}, Shape{7, 13, 0}, Shape{33, 65, 0}, Shape{256, 1024, 0},
-                          Shape{256, 1024, 1}, Shape{1000, 4097, 0}, Shape{4096, 768, 0}}) {
+                          Shape{256, 1024, 1}, Shape{1000, 4097, 0}, Shape{4096, 768, 0},
+                          // the 8-wide transposing path: partial 64 x 64 tiles, and bases 16-byte aligned or not
+                          Shape{40, 72, 0}, Shape{4096, 768, 8}, Shape{64, 64, 4}, Shape{24, 8, 0}}) {
       for (k::Fp8Format f : {k::Fp8Format::kE4M3, k::Fp8Format::kE5M2}) {
         // a wide range of magnitudes (finite in fp16), so subnormals, ties and the maximum all occur
         const at::Tensor flat = (at::randn({s.rows * s.cols + s.offset}) *

@@ -121,10 +121,10 @@ Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, boo
   // (from the caching allocator: ordered on this stream, and in a CUDA graph's pool when captured)
   const at::Tensor ws = at::empty({k::fp8_scale_workspace_numel(m.numel())}, m.options().dtype(at::kInt));
   void* stream = current_stream_handle(m);
+  r.inv = at::empty({}, r.stats.options());  // written by the scale kernel itself (no copy kernel)
   k::fp8_scale_cuda(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>(),
-                    static_cast<uint32_t*>(ws.data_ptr()), stream);
+                    static_cast<uint32_t*>(ws.data_ptr()), stream, r.inv.data_ptr<float>());
   k::fp8_cast_cuda(m.data_ptr(), dt, rows, cols, r.stats.data_ptr<float>(), f, q, qt, stream);
-  r.inv = r.stats.select(0, 2).clone();  // on the current stream, after the kernels
   return r;
 #else
   BMT_ERROR("nn::fp8_cast: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");

@@ -3,8 +3,11 @@
 // maximum; stage 2, one block reduces those and writes {amax, scale, inv_scale}. Maxima are taken on the bits of
 // |x| as unsigned integers: for non-negative floats the order is the same, and every NaN compares above inf, so a
 // NaN propagates (fmaxf would drop it).
-// Cast: without the transposed copy, 16-byte vector loads where aligned; with it, 32 x 32 tiles through shared
-// memory so that both the row-major and the transposed bytes are written by consecutive threads.
+// Cast: without the transposed copy, 16-byte vector loads where aligned; with it, tiles through shared memory so
+// that both the row-major and the transposed bytes are written by consecutive threads: 64 x 64 tiles moved 8
+// elements per access (16-byte loads, 8-byte stores) when rows and columns are multiples of 8 and the buffers
+// aligned (every FP8 GEMM operand: their dimensions are multiples of 16), else 32 x 32 tiles element by element.
+// (The element-wise tile ran near a third of HBM bandwidth: it was most of FP8's cast cost.)
 // Explicit _rn intrinsics: the bytes and scales must equal the CPU twin's whatever the compiler's contraction flags.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -56,7 +59,7 @@ __global__ void __launch_bounds__(kThreads) amax_partial_kernel(const void* x, i
 }
 
 __global__ void __launch_bounds__(kThreads) finish_scale_kernel(const uint32_t* partial, int64_t n, float fp8_max,
-                                                                float* stats) {
+                                                                float* stats, float* inv_copy) {
   uint32_t m = 0;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) m = max(m, partial[i]);
   m = block_max(m);
@@ -72,6 +75,7 @@ __global__ void __launch_bounds__(kThreads) finish_scale_kernel(const uint32_t* 
   stats[kFp8Amax] = amax;
   stats[kFp8Scale] = scale;
   stats[kFp8InvScale] = inv;
+  if (inv_copy) *inv_copy = inv;
 }
 
 template <Fp8Format F>
@@ -129,6 +133,60 @@ __global__ void __launch_bounds__(kTile * kTileRows) cast_transpose_kernel(const
   }
 }
 
+// The vector path of the transposing cast: 8 consecutive elements of a row per access.
+constexpr int kVecTile = 64, kGroup = 8, kVecThreads = 256;
+
+template <DType D>
+__device__ __forceinline__ void load8(const void* x, int64_t i, float (&e)[kGroup]) {
+  if constexpr (D == DType::kFloat32) {  // two 16-byte loads
+    float a[4], b[4];
+    detail::load_vec<D>(x, i, a);
+    detail::load_vec<D>(x, i + 4, b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) e[k] = a[k], e[k + 4] = b[k];
+  } else {
+    detail::load_vec<D>(x, i, e);
+  }
+}
+
+template <DType D, Fp8Format F>
+__global__ void __launch_bounds__(kVecThreads) cast_transpose_vec_kernel(const void* x, int64_t rows, int64_t cols,
+                                                                        const float* stats, uint8_t* q, uint8_t* qt) {
+  // row stride 68: 4-byte aligned rows for the word writes, and at most 2-way bank conflicts either way
+  __shared__ __align__(8) uint8_t tile[kVecTile][kVecTile + 4];
+  const float scale = stats[kFp8Scale];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kVecTile, c0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
+  constexpr int kGroups = kVecTile * kVecTile / kGroup;
+  // rows and cols are multiples of 8, so a group of 8 is wholly inside the matrix or wholly outside
+#pragma unroll
+  for (int g = threadIdx.x; g < kGroups; g += kVecThreads) {
+    const int lr = g / (kVecTile / kGroup), lc = (g % (kVecTile / kGroup)) * kGroup;
+    const int64_t r = r0 + lr, c = c0 + lc;
+    if (r < rows && c < cols) {
+      float e[kGroup];
+      load8<D>(x, r * cols + c, e);
+      uint32_t w[2] = {0, 0};
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) w[k / 4] |= static_cast<uint32_t>(to_fp8<F>(e[k], scale)) << (8 * (k % 4));
+      if (q) *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(w[0], w[1]);
+      *reinterpret_cast<uint32_t*>(&tile[lr][lc]) = w[0];
+      *reinterpret_cast<uint32_t*>(&tile[lr][lc + 4]) = w[1];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = threadIdx.x; g < kGroups; g += kVecThreads) {
+    const int lc = g / (kVecTile / kGroup), lr = (g % (kVecTile / kGroup)) * kGroup;
+    const int64_t c = c0 + lc, r = r0 + lr;
+    if (r < rows && c < cols) {
+      uint32_t w[2] = {0, 0};
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) w[k / 4] |= static_cast<uint32_t>(tile[lr + k][lc]) << (8 * (k % 4));
+      *reinterpret_cast<uint2*>(qt + c * rows + r) = make_uint2(w[0], w[1]);
+    }
+  }
+}
+
 void check_dtype(DType dtype, const char* op) {
   BMT_CHECK(dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16, op, ": dtype ",
             dtype_name(dtype), " is not fp32, bf16 or fp16");
@@ -155,6 +213,15 @@ void launch_cast(const void* x, int64_t rows, int64_t cols, const float* stats, 
     else cast_kernel<D, Fp8Format::kE5M2><<<g, kThreads, 0, s>>>(x, numel, vec, stats, q);
     return;
   }
+  const auto aligned8 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; };
+  if (rows % kGroup == 0 && cols % kGroup == 0 && detail::vec_aligned(x) && aligned8(q) && aligned8(qt)) {
+    BMT_CHECK((rows + kVecTile - 1) / kVecTile <= 65535, "fp8_cast_cuda: ", rows, " rows exceed the grid's y limit");
+    const dim3 grid(static_cast<unsigned>((cols + kVecTile - 1) / kVecTile),
+                    static_cast<unsigned>((rows + kVecTile - 1) / kVecTile));
+    if (f == Fp8Format::kE4M3) cast_transpose_vec_kernel<D, Fp8Format::kE4M3><<<grid, kVecThreads, 0, s>>>(x, rows, cols, stats, q, qt);
+    else cast_transpose_vec_kernel<D, Fp8Format::kE5M2><<<grid, kVecThreads, 0, s>>>(x, rows, cols, stats, q, qt);
+    return;
+  }
   BMT_CHECK((rows + kTile - 1) / kTile <= 65535, "fp8_cast_cuda: ", rows, " rows exceed the grid's y limit");
   const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile), static_cast<unsigned>((rows + kTile - 1) / kTile));
   const dim3 block(kTile, kTileRows);
@@ -165,7 +232,7 @@ void launch_cast(const void* x, int64_t rows, int64_t cols, const float* stats, 
 }  // namespace
 
 void fp8_scale_cuda(const void* x, DType dtype, int64_t numel, Fp8Format format, float* stats, uint32_t* workspace,
-                    void* stream) {
+                    void* stream, float* inv_scale_copy) {
   check_dtype(dtype, "fp8_scale_cuda");
   BMT_CHECK(numel >= 0 && stats && workspace && (numel == 0 || x), "fp8_scale_cuda: bad arguments (numel ", numel, ")");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -178,7 +245,7 @@ void fp8_scale_cuda(const void* x, DType dtype, int64_t numel, Fp8Format format,
     case DType::kBFloat16: amax_partial_kernel<DType::kBFloat16><<<g, kThreads, 0, s>>>(x, numel, vec, workspace); break;
     default: amax_partial_kernel<DType::kFloat16><<<g, kThreads, 0, s>>>(x, numel, vec, workspace); break;
   }
-  finish_scale_kernel<<<1, kThreads, 0, s>>>(workspace, blocks, fp8_max(format), stats);
+  finish_scale_kernel<<<1, kThreads, 0, s>>>(workspace, blocks, fp8_max(format), stats, inv_scale_copy);
   check_launch("fp8_scale_cuda");
 }
 

@@ -40,10 +40,11 @@ void fp8_cast_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, const 
                   uint8_t* q, uint8_t* qt);
 
 // Device memory (builds with BMT_WITH_CUDA); `stats` is device memory. `workspace`: fp8_scale_workspace_numel
-// uint32 words (one per block of the first reduction stage).
+// uint32 words (one per block of the first reduction stage). `inv_scale_copy` (may be null): one more float of
+// device memory that also receives inv_scale, for a consumer that wants it in an allocation of its own (the GEMM).
 int64_t fp8_scale_workspace_numel(int64_t numel);
 void fp8_scale_cuda(const void* x, DType dtype, int64_t numel, Fp8Format format, float* stats, uint32_t* workspace,
-                    void* stream);
+                    void* stream, float* inv_scale_copy = nullptr);
 void fp8_cast_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, const float* stats, Fp8Format format,
                    uint8_t* q, uint8_t* qt, void* stream);
 
