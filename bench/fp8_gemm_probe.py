@@ -78,12 +78,13 @@ def engine_linears(a, device, d, ff, tokens, run, gpu, call_id):
     except ImportError as e:
         print(f"[fp8-probe] bmtrain not importable ({e}): no engine linear rows", flush=True)
         return []
-    rows, total = [], {"bf16": 0.0, "fp8": 0.0}
+    rows, total = [], {"bf16": 0.0, "fp8": 0.0, "fp8_row": 0.0}
     for name, fin, fout in linears(d, ff):
         x = torch.randn(tokens, fin, device=device, dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(fout, fin, device=device, dtype=torch.bfloat16) * 0.02).requires_grad_()
         dy = torch.randn(tokens, fout, device=device, dtype=torch.bfloat16) * 1e-3
-        ops = {"bf16": lambda: _C.nn.linear(x, w, None), "fp8": lambda: _C.nn.fp8_linear(x, w, None, None)}
+        ops = {"bf16": lambda: _C.nn.linear(x, w, None), "fp8": lambda: _C.nn.fp8_linear(x, w, None, None, "tensor"),
+               "fp8_row": lambda: _C.nn.fp8_linear(x, w, None, None, "row")}
         row = {"bench": "fp8-gemm-probe", "preset": a.preset, "linear": name, "gemm": "linear_fwd_bwd",
                "m": tokens, "n": fout, "k": fin, "device": gpu, "torch": torch.__version__, "git_commit": git_commit(),
                "call_id": call_id, "machine": machine(), "date": utc_now()}
@@ -94,11 +95,14 @@ def engine_linears(a, device, d, ff, tokens, run, gpu, call_id):
             row[f"{kind}_ms"] = 1e3 * run(step)
             total[kind] += row[f"{kind}_ms"]
         row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
+        row["speedup_row"] = row["bf16_ms"] / row["fp8_row_ms"]
         rows.append(row)
         print(f"RESULT linear={name} gemm=linear_fwd_bwd bf16_ms={row['bf16_ms']:.4g} fp8_ms={row['fp8_ms']:.4g} "
-              f"speedup={row['speedup']:.4g}", flush=True)
-    print(f"[fp8-probe] engine linears fwd+bwd: bf16 {total['bf16']:.3f} ms, fp8 {total['fp8']:.3f} ms: "
-          f"{total['bf16'] / total['fp8']:.3f}x", flush=True)
+              f"fp8_row_ms={row['fp8_row_ms']:.4g} speedup={row['speedup']:.4g} speedup_row={row['speedup_row']:.4g}",
+              flush=True)
+    print(f"[fp8-probe] engine linears fwd+bwd: bf16 {total['bf16']:.3f} ms, fp8 per tensor {total['fp8']:.3f} ms "
+          f"({total['bf16'] / total['fp8']:.3f}x), rowwise {total['fp8_row']:.3f} ms "
+          f"({total['bf16'] / total['fp8_row']:.3f}x)", flush=True)
     return rows
 
 

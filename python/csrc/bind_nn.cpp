@@ -67,20 +67,32 @@ void bind_nn(py::module_& m) {
     if (*name == "e4m3") return bmt::nn::Fp8Format::kE4M3;
     BMT_ERROR("fp8_linear: grad_format ", *name, " is not 'e5m2' or 'e4m3'");
   };
+  // scaling "tensor" / "row", or None for the process default (BMT_FP8_SCALING)
+  const auto scaling = [](const std::optional<std::string>& name) -> bmt::nn::Fp8Scaling {
+    if (!name) return bmt::nn::fp8_scaling();
+    if (*name == "tensor") return bmt::nn::Fp8Scaling::kTensor;
+    if (*name == "row") return bmt::nn::Fp8Scaling::kRow;
+    BMT_ERROR("fp8_linear: scaling ", *name, " is not 'tensor' or 'row'");
+  };
   nn.def(
       "fp8_linear",
-      [opt, grad_format](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                         const std::optional<std::string>& grad) {
-        return bmt::nn::fp8_linear(x, weight, opt(bias), grad_format(grad));
+      [opt, grad_format, scaling](const at::Tensor& x, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, const std::optional<std::string>& grad,
+                                  const std::optional<std::string>& scale_by) {
+        return bmt::nn::fp8_linear(x, weight, opt(bias), grad_format(grad), scaling(scale_by));
       },
       py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("grad_format") = py::none(),
-      py::call_guard<py::gil_scoped_release>());
+      py::arg("scaling") = py::none(), py::call_guard<py::gil_scoped_release>());
   nn.def("fp8_linear_applies", &bmt::nn::fp8_linear_applies, py::arg("input"), py::arg("weight"));
   nn.def("fp8_grad_format",
          [] { return std::string(bmt::nn::fp8_grad_format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2"); });
   nn.def("set_fp8_grad_format", [grad_format](const std::string& name) {
     bmt::nn::set_fp8_grad_format(grad_format(name));
   }, py::arg("grad_format"));
+  nn.def("fp8_scaling",
+         [] { return std::string(bmt::nn::fp8_scaling() == bmt::nn::Fp8Scaling::kRow ? "row" : "tensor"); });
+  nn.def("set_fp8_scaling", [scaling](const std::string& name) { bmt::nn::set_fp8_scaling(scaling(name)); },
+         py::arg("scaling"));
 }
 
 }  // namespace bmt::python

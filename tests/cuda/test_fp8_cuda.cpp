@@ -3,6 +3,7 @@
 // inf/NaN tensors), and nn::fp8_linear on the GPU (cuBLASLt's FP8 GEMMs through at::_scaled_mm) against the fp64
 // reference within the FP8 bound (tests/nn/fp8_reference.h). Needs compute capability 8.9+ for the GEMMs.
 // (Shapes whose rows and columns are multiples of 8 take the 8-wide transposing cast, the others the 32 x 32 one.)
+// The same for the rowwise cast (per-row and per-column scales) and the rowwise FP8 linear.
 #include <gtest/gtest.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/autograd.h>
@@ -132,4 +133,57 @@ TEST(Fp8LinearCuda, MatchesTheCpuPathClosely) {
   const at::Tensor gpu = bmt::nn::fp8_linear(x.cuda(), w.cuda(), b.cuda()).cpu();
   const double tol = static_cast<double>(k) * std::ldexp(1.0, -14) * (x.abs().mm(w.abs().t())).max().item<double>();
   EXPECT_LE((cpu - gpu).abs().max().item<double>(), tol);
+}
+
+TEST(Fp8CastRowwiseCuda, MatchesCpuTwinBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(24);
+  struct Shape { int64_t rows, cols, offset; };
+  // 8-wide and element-wise transposing paths, vector and scalar row passes, partial tiles, a misaligned base, rows
+  // longer than a block's stride, more than one block row of the column maxima
+  for (at::ScalarType st : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const Shape s : {Shape{1, 1, 0}, Shape{7, 13, 0}, Shape{40, 72, 0}, Shape{256, 1024, 0},
+                          Shape{256, 1024, 1}, Shape{130, 4104, 0}, Shape{1000, 97, 0}}) {
+      for (k::Fp8Format f : {k::Fp8Format::kE4M3, k::Fp8Format::kE5M2}) {
+        const int64_t n = s.rows * s.cols + s.offset;
+        at::Tensor flat = (at::randn({n}) * at::exp(at::randn({n}) * 1.5)).to(st);
+        if (s.rows > 3) flat.narrow(0, s.offset + 2 * s.cols, s.cols).zero_();  // a zero row
+        const at::Tensor x = flat.narrow(0, s.offset, s.rows * s.cols);
+        const bmt::core::DType dt = bmt::to_core_dtype(st);
+        at::Tensor want_q = at::zeros({s.rows * s.cols}, at::kByte), want_qt = at::zeros_like(want_q);
+        at::Tensor want_inv = at::zeros({s.rows}), want_inv_t = at::zeros({s.cols});
+        const at::Tensor xc = x.contiguous();
+        k::fp8_cast_rowwise_cpu(xc.data_ptr(), dt, s.rows, s.cols, f, want_q.data_ptr<uint8_t>(),
+                                want_inv.data_ptr<float>(), want_qt.data_ptr<uint8_t>(), want_inv_t.data_ptr<float>());
+        const at::Tensor gflat = flat.cuda();
+        const void* src = static_cast<const char*>(gflat.data_ptr()) + s.offset * flat.element_size();
+        const auto opts = at::TensorOptions().device(at::kCUDA);
+        at::Tensor q = at::zeros({s.rows * s.cols}, opts.dtype(at::kByte)), qt = at::zeros_like(q);
+        at::Tensor inv = at::zeros({s.rows}, opts.dtype(at::kFloat)), inv_t = at::zeros({s.cols}, opts.dtype(at::kFloat));
+        at::Tensor ws = at::full({s.cols}, 12345, opts.dtype(at::kInt));  // garbage: the cast must clear it
+        k::fp8_cast_rowwise_cuda(src, dt, s.rows, s.cols, f, q.data_ptr<uint8_t>(), inv.data_ptr<float>(),
+                                 qt.data_ptr<uint8_t>(), inv_t.data_ptr<float>(),
+                                 static_cast<uint32_t*>(ws.data_ptr()), stream());
+        const std::string what = std::string(c10::toString(st)) + " " + k::fp8_format_name(f) + " " +
+                                 std::to_string(s.rows) + "x" + std::to_string(s.cols) + " offset " +
+                                 std::to_string(s.offset);
+        EXPECT_TRUE(at::equal(inv.cpu(), want_inv)) << what << ": row inverse scales differ";
+        EXPECT_TRUE(at::equal(inv_t.cpu(), want_inv_t)) << what << ": column inverse scales differ";
+        EXPECT_TRUE(at::equal(q.cpu(), want_q)) << what << ": row-major bytes differ";
+        EXPECT_TRUE(at::equal(qt.cpu(), want_qt)) << what << ": transposed bytes differ";
+      }
+    }
+  }
+}
+
+TEST(Fp8LinearCuda, RowwiseWithinTheFp8Bound) {
+  if (!fp8_gemm_device()) GTEST_SKIP() << "no CUDA device with FP8 tensor cores (8.9+)";
+  at::manual_seed(25);
+  // bf16: torch's rowwise FP8 kernels; fp32: unit-scale FP8 GEMMs scaled after (the other output dtypes' path)
+  fp8_test::check_fp8_linear(at::kCUDA, at::kBFloat16, bmt::nn::Fp8Format::kE4M3, 256, 768, 512,
+                             bmt::nn::Fp8Scaling::kRow);
+  fp8_test::check_fp8_linear(at::kCUDA, at::kBFloat16, bmt::nn::Fp8Format::kE4M3, 64, 2048, 96,
+                             bmt::nn::Fp8Scaling::kRow);
+  fp8_test::check_fp8_linear(at::kCUDA, at::kFloat, bmt::nn::Fp8Format::kE4M3, 128, 256, 64,
+                             bmt::nn::Fp8Scaling::kRow);
 }

@@ -1,6 +1,6 @@
 // FP8: the scale/cast kernels' CPU twin (closed forms, rounding, saturation, zero tensors, inf/NaN, odd shapes, the
 // transposed copy) and nn::fp8_linear's forward and both gradients against an fp64 reference within the bound FP8
-// rounding gives (derived below), its fallback and its inf/NaN behaviour. On CPU the GEMMs are torch's CPU
+// rounding gives (derived below), per-tensor and rowwise scaling, its fallback and its inf/NaN behaviour. On CPU the GEMMs are torch's CPU
 // _scaled_mm and the casts our CPU twin: the code path a GPU runs, with other kernels. The CUDA kernels against
 // this twin: tests/cuda/test_fp8_cuda.cpp.
 #include <gtest/gtest.h>
@@ -194,4 +194,105 @@ TEST(Fp8Linear, NoGradForwardEqualsTheGradForward) {
     without = bmt::nn::fp8_linear(x, w, b);
   }
   EXPECT_TRUE(at::equal(with_grad.detach(), without));  // a recompute under checkpointing sees the same values
+}
+
+// ----------------------------------------------------------------------------------------------- rowwise scaling
+
+namespace {
+
+// The reference of one row's cast: the per-tensor twin applied to that row alone.
+void expect_row_cast(const at::Tensor& row_f32, k::Fp8Format f, const at::Tensor& bytes, float inv,
+                     const std::string& what) {
+  const std::vector<float> v(row_f32.data_ptr<float>(), row_f32.data_ptr<float>() + row_f32.numel());
+  const auto s = stats_of(v, f);
+  EXPECT_TRUE(inv == s[k::kFp8InvScale] || (std::isnan(inv) && std::isnan(s[k::kFp8InvScale]))) << what << " inv";
+  std::vector<uint8_t> want(v.size());
+  k::fp8_cast_cpu(v.data(), bmt::core::DType::kFloat32, 1, static_cast<int64_t>(v.size()), s.data(), f, want.data(),
+                  nullptr);
+  if (std::isnan(s[k::kFp8Scale])) return;  // NaN scales: NaN bytes (checked by the linear's tests)
+  for (size_t i = 0; i < v.size(); ++i) EXPECT_EQ(bytes[static_cast<int64_t>(i)].item<uint8_t>(), want[i]) << what;
+}
+
+}  // namespace
+
+TEST(Fp8CastRowwise, EachRowAndEachColumnByItsOwnAmax) {
+  at::manual_seed(5);
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+    // rows and columns of very different magnitudes, a zero row and a zero column, a NaN in row 5 / column 7
+    at::Tensor x = at::randn({12, 20}) * at::pow(2.0, -at::arange(12).to(at::kFloat)).unsqueeze(1) *
+                   at::pow(2.0, -at::arange(20).to(at::kFloat) / 2).unsqueeze(0);
+    x[2].zero_();
+    x.select(1, 4).zero_();
+    x[5][7] = kNan;
+    x = x.to(dt);
+    for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      const auto kf = f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2;
+      const bmt::nn::Fp8Tensor q = bmt::nn::fp8_cast_rowwise(x, f, true, true);
+      ASSERT_EQ(q.data.sizes(), x.sizes());
+      ASSERT_EQ(q.data_t.sizes(), (at::IntArrayRef{20, 12}));
+      ASSERT_EQ(q.inv.sizes(), (at::IntArrayRef{12}));
+      ASSERT_EQ(q.inv_t.sizes(), (at::IntArrayRef{20}));
+      const at::Tensor xf = x.to(at::kFloat).contiguous(), xt = xf.t().contiguous();
+      for (int64_t r = 0; r < 12; ++r)
+        expect_row_cast(xf[r].contiguous(), kf, q.data.view(at::kByte)[r], q.inv[r].item<float>(),
+                        "row " + std::to_string(r));
+      for (int64_t c = 0; c < 20; ++c)
+        expect_row_cast(xt[c].contiguous(), kf, q.data_t.view(at::kByte)[c], q.inv_t[c].item<float>(),
+                        "column " + std::to_string(c));
+      EXPECT_EQ(q.inv[2].item<float>(), 1.0f);    // a zero row: scale 1
+      EXPECT_EQ(q.inv_t[4].item<float>(), 1.0f);  // a zero column
+      EXPECT_TRUE(std::isnan(q.inv[5].item<float>()) && std::isnan(q.inv_t[7].item<float>()));
+      EXPECT_TRUE(std::isfinite(q.inv[6].item<float>()) && std::isfinite(q.inv_t[6].item<float>()));
+    }
+  }
+  const bmt::nn::Fp8Tensor only_t = bmt::nn::fp8_cast_rowwise(at::ones({3, 5}), Fp8Format::kE4M3, false, true);
+  EXPECT_FALSE(only_t.data.defined());
+  EXPECT_FALSE(only_t.inv.defined());
+  EXPECT_TRUE(at::equal(only_t.inv_scale_t(), at::full({5}, 1.0f / 448.0f)));
+  EXPECT_THROW(bmt::nn::fp8_cast_rowwise(at::zeros({3}), Fp8Format::kE4M3, true, false), bmt::core::Error);
+}
+
+TEST(Fp8Linear, RowwiseForwardAndGradientsWithinTheFp8Bound) {
+  at::manual_seed(6);
+  check_fp8_linear(at::kCPU, at::kFloat, Fp8Format::kE5M2, 64, 96, 48, bmt::nn::Fp8Scaling::kRow);
+  check_fp8_linear(at::kCPU, at::kBFloat16, Fp8Format::kE4M3, 48, 48, 64, bmt::nn::Fp8Scaling::kRow);
+}
+
+// Why rowwise: with tokens of very different magnitudes, per-tensor scales flush the small ones to zero in E4M3
+// (below amax 2^-9 / 448), rowwise scales keep each token's own precision.
+TEST(Fp8Linear, RowwiseKeepsSmallTokensThatPerTensorScalesLose) {
+  at::manual_seed(7);
+  const at::Tensor x = at::randn({32, 64}) * at::pow(2.0, -at::arange(32).to(at::kFloat)).unsqueeze(1);
+  const at::Tensor w = at::randn({48, 64}) * 0.05;
+  const at::Tensor exact = x.to(at::kDouble).mm(w.to(at::kDouble).t());
+  auto row_error = [&](bmt::nn::Fp8Scaling s) {  // relative error of the smallest token's output row
+    const at::Tensor y = bmt::nn::fp8_linear(x, w, at::Tensor(), Fp8Format::kE4M3, s).to(at::kDouble);
+    return ((y[31] - exact[31]).norm() / exact[31].norm()).item<double>();
+  };
+  const double per_tensor = row_error(bmt::nn::Fp8Scaling::kTensor), rowwise = row_error(bmt::nn::Fp8Scaling::kRow);
+  EXPECT_GT(per_tensor, 0.5) << "per-tensor scales were expected to flush a token 2^-31 below the largest";
+  EXPECT_LT(rowwise, 0.1);
+}
+
+TEST(Fp8Linear, RowwiseNonFiniteValueMakesItsOwnRowsNan) {
+  at::Tensor x = at::randn({16, 32});
+  x[3][5] = kInf;
+  const at::Tensor y = bmt::nn::fp8_linear(x, at::randn({16, 32}), at::randn({16}), Fp8Format::kE4M3,
+                                           bmt::nn::Fp8Scaling::kRow);
+  EXPECT_TRUE(y[3].isnan().all().item<bool>());
+  EXPECT_TRUE(y[4].isfinite().all().item<bool>());  // the other tokens keep their values (the loss is NaN anyway)
+  // a non-finite gradient reaches the weight gradient: the step's inf/NaN check skips the step
+  at::Tensor w = at::randn({16, 32}).requires_grad_();
+  at::Tensor g = at::randn({16, 16});
+  g[0][0] = kInf;
+  bmt::nn::fp8_linear(at::randn({16, 32}), w, at::Tensor(), Fp8Format::kE4M3, bmt::nn::Fp8Scaling::kRow).backward(g);
+  EXPECT_TRUE(w.grad()[0].isnan().all().item<bool>());
+}
+
+TEST(Fp8Linear, ScalingSwitchParsesAndSets) {
+  const bmt::nn::Fp8Scaling before = bmt::nn::fp8_scaling();
+  bmt::nn::set_fp8_scaling(bmt::nn::Fp8Scaling::kRow);
+  EXPECT_EQ(bmt::nn::fp8_scaling(), bmt::nn::Fp8Scaling::kRow);
+  bmt::nn::set_fp8_scaling(before);
+  EXPECT_EQ(bmt::nn::fp8_scaling(), before);
 }

@@ -28,13 +28,15 @@ def causal_attention(query, key, value):
     return _nn.causal_attention(query, key, value)
 
 
-def fp8_linear(input, weight, bias=None, grad_format=None):
+def fp8_linear(input, weight, bias=None, grad_format=None, scaling=None):
     """y = input weightᵀ + bias with its three GEMMs in FP8 (the engine's nn::fp8_linear, through torch._scaled_mm:
     Hopper's FP8 tensor cores on GPUs, torch's CPU kernel on CPUs): E4M3 input and weight, the gradient in
-    grad_format ("e5m2", the default from BMT_FP8_GRAD, or "e4m3"); dynamic per-tensor scales computed on the device;
-    output, master weights and gradients in the input's dtype. Falls back to the plain linear when a GEMM dimension
-    (rows, in or out features) is not a multiple of 16 or the dtype is not fp32 / bf16 / fp16. Not in BMTrain."""
-    return _nn.fp8_linear(input, weight, bias, grad_format)
+    grad_format ("e5m2", the default from BMT_FP8_GRAD, or "e4m3"); dynamic scales computed on the device, per tensor
+    or, with scaling="row" (default from BMT_FP8_SCALING: "tensor"), per row of each operand along the contracted
+    dimension (every operand E4M3 then); output, master weights and gradients in the input's dtype. Falls back to
+    the plain linear when a GEMM dimension (rows, in or out features) is not a multiple of 16 or the dtype is not
+    fp32 / bf16 / fp16. Not in BMTrain."""
+    return _nn.fp8_linear(input, weight, bias, grad_format, scaling)
 
 
 def _dtype(dtype):
@@ -88,7 +90,7 @@ class Linear(DistributedModule):
 
     def forward(self, input):
         if self.fp8:
-            return _nn.fp8_linear(input, self.weight, self.bias, None)
+            return _nn.fp8_linear(input, self.weight, self.bias, None, None)
         return _nn.linear(input, self.weight, self.bias)
 
     def extra_repr(self):

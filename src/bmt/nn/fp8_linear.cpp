@@ -25,6 +25,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 std::atomic<int> g_grad_format{-1};  // -1: not yet read from BMT_FP8_GRAD
+std::atomic<int> g_scaling{-1};      // -1: not yet read from BMT_FP8_SCALING
 
 k::Fp8Format core_format(Fp8Format f) { return f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2; }
 
@@ -39,28 +40,44 @@ std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
 }
 
 // a [m, k] row-major x b [n, k] row-major (= the column-major [k, n] operand _scaled_mm wants), dequantised by the
-// operands' inverse scales, into out_dtype. Fast accumulation only in the forward (the gradients' GEMMs keep full
-// fp32 accumulation, as torchao and TransformerEngine do).
+// operands' inverse scales (0-dim: per tensor; [m] and [n]: per row), into out_dtype. Fast accumulation only in the
+// forward (the gradients' GEMMs keep full fp32 accumulation, as torchao and TransformerEngine do).
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at::Tensor& b, const at::Tensor& b_inv,
-                     at::ScalarType out_dtype, const std::optional<at::Tensor>& bias, bool fast_accum) {
-  return at::_scaled_mm(a, b.t(), a_inv, b_inv, bias, std::nullopt, out_dtype, fast_accum);
+                     at::ScalarType out_dtype, bool fast_accum) {
+  if (a_inv.dim() == 0) return at::_scaled_mm(a, b.t(), a_inv, b_inv, std::nullopt, std::nullopt, out_dtype, fast_accum);
+  const at::Tensor sa = a_inv.view({-1, 1}), sb = b_inv.view({1, -1});
+  if (a.is_cuda() && out_dtype == at::kBFloat16)  // the rowwise kernels' one output dtype
+    return at::_scaled_mm(a, b.t(), sa, sb, std::nullopt, std::nullopt, out_dtype, fast_accum);
+  // (CPUs: _scaled_mm takes per-tensor scales only) the FP8 products with unit scales, scaled per row and column
+  const at::Tensor one = at::ones({}, a_inv.options());
+  return at::_scaled_mm(a, b.t(), one, one, std::nullopt, std::nullopt, at::kFloat, fast_accum)
+      .mul_(sa)
+      .mul_(sb)
+      .to(out_dtype);
+}
+
+Fp8Tensor cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format, bool row_major, bool transposed) {
+  return scaling == Fp8Scaling::kRow ? fp8_cast_rowwise(m, Fp8Format::kE4M3, row_major, transposed)
+                                     : fp8_cast(m, format, row_major, transposed);
 }
 
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, int64_t grad_format, bool want_dx, bool want_dw) {
+                            const std::optional<at::Tensor>& bias, int64_t grad_format, int64_t scaling_id,
+                            bool want_dx, bool want_dw) {
     const int64_t in = weight.size(1), out = weight.size(0);
+    const auto scaling = static_cast<Fp8Scaling>(scaling_id);
     const at::Tensor x2 = x.contiguous().view({-1, in});
-    const Fp8Tensor xq = fp8_cast(x2, Fp8Format::kE4M3, true, want_dw);
-    const Fp8Tensor wq = fp8_cast(weight, Fp8Format::kE4M3, true, false);
+    const Fp8Tensor xq = cast_as(scaling, x2, Fp8Format::kE4M3, true, want_dw);
+    const Fp8Tensor wq = cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
     // The bias is added after the GEMM, as torchao does: the fused bias epilogue is one of the suspects of the
     // CUBLAS_STATUS_NOT_SUPPORTED an H200 gave at 81f1cd3 (issue 34's note); fuse it again once measured there.
-    at::Tensor y = scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), std::nullopt,
-                             /*fast_accum=*/true);
+    at::Tensor y = scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), /*fast_accum=*/true);
     if (bias) y.add_(*bias);
-    ctx->save_for_backward({want_dw ? xq.data_t : at::Tensor(), want_dw ? xq.inv_scale() : at::Tensor(),
+    ctx->save_for_backward({want_dw ? xq.data_t : at::Tensor(), want_dw ? xq.inv_scale_t() : at::Tensor(),
                             want_dx ? weight : at::Tensor()});
     ctx->saved_data["grad_format"] = grad_format;
+    ctx->saved_data["scaling"] = scaling_id;
     ctx->saved_data["has_bias"] = bias.has_value();  // (an absent optional input has no gradient slot to ask about)
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
@@ -72,6 +89,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &xt8 = saved[0], &x_inv = saved[1], &weight = saved[2];
     const auto grad_format = static_cast<Fp8Format>(ctx->saved_data["grad_format"].toInt());
+    const auto scaling = static_cast<Fp8Scaling>(ctx->saved_data["scaling"].toInt());
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     const int64_t out = grads[0].size(-1);
@@ -79,17 +97,16 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
     at::Tensor dx, dw, db;
     if (want_dx || want_dw) {
-      const Fp8Tensor dyq = fp8_cast(dy2, grad_format, want_dx, want_dw);  // one pass, both layouts
+      const Fp8Tensor dyq = cast_as(scaling, dy2, grad_format, want_dx, want_dw);  // (per tensor: one pass)
       if (want_dx) {
-        const Fp8Tensor wq = fp8_cast(weight, Fp8Format::kE4M3, false, true);  // W^T [in, out] row-major
-        dx = scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale(), grads[0].scalar_type(), std::nullopt,
-                       false)
+        const Fp8Tensor wq = cast_as(scaling, weight, Fp8Format::kE4M3, false, true);  // W^T [in, out] row-major
+        dx = scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), grads[0].scalar_type(), false)
                  .view(x_sizes);
       }
-      if (want_dw) dw = scaled_mm(dyq.data_t, dyq.inv_scale(), xt8, x_inv, w_dtype, std::nullopt, false);
+      if (want_dw) dw = scaled_mm(dyq.data_t, dyq.inv_scale_t(), xt8, x_inv, w_dtype, false);
     }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = column_sum(dy2, w_dtype);
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -131,6 +148,37 @@ Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, boo
 #endif
 }
 
+Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_major, bool transposed) {
+  BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast_rowwise: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
+  BMT_CHECK(supported_dtype(matrix.scalar_type()), "nn::fp8_cast_rowwise: dtype ", matrix.scalar_type(),
+            " is not fp32, bf16 or fp16");
+  const at::Tensor m = matrix.contiguous();
+  const int64_t rows = m.size(0), cols = m.size(1);
+  const auto opts = m.options().dtype(fp8_dtype(format));
+  const auto f32 = m.options().dtype(at::kFloat);
+  Fp8Tensor r;
+  if (row_major) r.data = at::empty({rows, cols}, opts), r.inv = at::empty({rows}, f32);
+  if (transposed) r.data_t = at::empty({cols, rows}, opts), r.inv_t = at::empty({cols}, f32);
+  auto* q = row_major ? static_cast<uint8_t*>(r.data.data_ptr()) : nullptr;
+  auto* qt = transposed ? static_cast<uint8_t*>(r.data_t.data_ptr()) : nullptr;
+  float* q_inv = row_major ? r.inv.data_ptr<float>() : nullptr;
+  float* qt_inv = transposed ? r.inv_t.data_ptr<float>() : nullptr;
+  const core::DType dt = to_core_dtype(m.scalar_type());
+  if (!m.is_cuda()) {
+    k::fp8_cast_rowwise_cpu(m.data_ptr(), dt, rows, cols, core_format(format), q, q_inv, qt, qt_inv);
+    return r;
+  }
+#ifdef BMT_WITH_CUDA
+  c10::cuda::CUDAGuard guard(m.device());
+  const at::Tensor ws = transposed ? at::empty({cols}, m.options().dtype(at::kInt)) : at::Tensor();
+  k::fp8_cast_rowwise_cuda(m.data_ptr(), dt, rows, cols, core_format(format), q, q_inv, qt, qt_inv,
+                           transposed ? static_cast<uint32_t*>(ws.data_ptr()) : nullptr, current_stream_handle(m));
+  return r;
+#else
+  BMT_ERROR("nn::fp8_cast_rowwise: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
+#endif
+}
+
 bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight) {
   if (!x.defined() || !weight.defined() || weight.dim() != 2 || x.dim() < 1) return false;
   if (!supported_dtype(x.scalar_type()) || weight.scalar_type() != x.scalar_type()) return false;
@@ -140,7 +188,8 @@ bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight) {
   return rows > 0 && rows % 16 == 0 && weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0;
 }
 
-at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8Format grad_format) {
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8Format grad_format,
+                      Fp8Scaling scaling) {
   BMT_CHECK(weight.defined() && weight.dim() == 2, "nn::fp8_linear: needs a 2-D weight");
   BMT_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "nn::fp8_linear: input ", x.sizes(),
             " does not match weight ", weight.sizes());
@@ -151,8 +200,8 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   // (what the backward will need, known here: inside the Function's forward grad mode is off)
   const bool grad = at::GradMode::is_enabled();
   return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-                            static_cast<int64_t>(grad_format), grad && x.requires_grad(),
-                            grad && weight.requires_grad());
+                            static_cast<int64_t>(grad_format), static_cast<int64_t>(scaling),
+                            grad && x.requires_grad(), grad && weight.requires_grad());
 }
 
 Fp8Format fp8_grad_format() {
@@ -169,5 +218,20 @@ Fp8Format fp8_grad_format() {
 }
 
 void set_fp8_grad_format(Fp8Format format) { g_grad_format.store(static_cast<int>(format), std::memory_order_relaxed); }
+
+Fp8Scaling fp8_scaling() {
+  int v = g_scaling.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("BMT_FP8_SCALING");
+    const std::string s = e ? e : "";
+    if (s.empty() || s == "tensor") v = static_cast<int>(Fp8Scaling::kTensor);
+    else if (s == "row") v = static_cast<int>(Fp8Scaling::kRow);
+    else BMT_ERROR("BMT_FP8_SCALING=", s, ": expected tensor or row");
+    g_scaling.store(v, std::memory_order_relaxed);
+  }
+  return static_cast<Fp8Scaling>(v);
+}
+
+void set_fp8_scaling(Fp8Scaling scaling) { g_scaling.store(static_cast<int>(scaling), std::memory_order_relaxed); }
 
 }  // namespace bmt::nn

@@ -4,9 +4,15 @@
 //   forward  y  = x8 W8^T           x, W in E4M3
 //   dgrad    dx = dy8 W8            dy in the gradient format (E5M2 by default: its range suits gradients, the
 //   wgrad    dW = dy8^T x8                                    recipe of TransformerEngine and torchao), W in E4M3
-// Scaling is dynamic and per tensor: scale = fp8_max / amax of the tensor being cast, computed on the device
-// (core/kernels/fp8_cast: no host sync, nothing kept across steps: a recompute under checkpointing repeats the
-// casts). Outputs have the input's dtype (bf16 in training), scales are fp32, the bias gradient is summed in fp32
+// Scaling is dynamic: scale = fp8_max / amax, computed on the device (core/kernels/fp8_cast: no host sync, nothing
+// kept across steps: a recompute under checkpointing repeats the casts), with amax either
+//   per tensor (Fp8Scaling::kTensor, the default)
+//   per row (kRow): each GEMM operand scaled per row of its K-major layout, i.e. along the dimension the GEMM
+//       contracts: x and dy per token in their row-major copies, W per output row in the forward and per input
+//       column in dgrad, x and dy per feature in their transposed copies (wgrad). One outlier then costs only its
+//       own row's precision. Every operand is E4M3 (grad_format applies to per-tensor scaling only): the rowwise
+//       GEMMs of _scaled_mm take E4M3 operands and bf16 output on GPUs; other output dtypes and CPUs take a GEMM
+//       with unit scales and fp32 output, scaled after. Outputs have the input's dtype (bf16 in training), scales are fp32, the bias gradient is summed in fp32
 // (nn::column_sum). The forward saves x's transposed E4M3 copy for wgrad (half the bytes of the bf16 x) and the
 // weight itself; the backward casts W again (transposed), so under ZeRO-3 the weight is the re-gathered one.
 // Falls back to nn::linear (today's bf16 path) when a GEMM dimension (rows, in or out features) is not a multiple
@@ -19,10 +25,11 @@
 namespace bmt::nn {
 
 enum class Fp8Format { kE4M3, kE5M2 };
+enum class Fp8Scaling { kTensor, kRow };
 
 // y = x weight^T + bias (bias may be undefined) with FP8 GEMMs; grad_format: the gradient dy's format.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = at::Tensor(),
-                      Fp8Format grad_format = Fp8Format::kE5M2);
+                      Fp8Format grad_format = Fp8Format::kE5M2, Fp8Scaling scaling = Fp8Scaling::kTensor);
 // Whether fp8_linear takes the FP8 path for these operands (else it is nn::linear).
 bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
 
@@ -35,12 +42,22 @@ struct Fp8Tensor {
   // `stats` (a 4-byte-aligned pointer inside another allocation) is suspected of the CUBLAS_STATUS_NOT_SUPPORTED
   // an H200 gave; a one-element copy rules it out.
   at::Tensor inv;
+  // Rowwise scaling (fp8_cast_rowwise): inv is float32 [rows], data's inverse scale per row, and inv_t [cols],
+  // data_t's per row (a column of the matrix); stats is undefined.
+  at::Tensor inv_t;
   const at::Tensor& inv_scale() const { return inv; }
+  const at::Tensor& inv_scale_t() const { return inv_t.defined() ? inv_t : inv; }
 };
 Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed);
+// Per-row scales: `row_major` asks for data (each row by its own amax), `transposed` for data_t (each column of the
+// matrix by its own amax).
+Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_major, bool transposed);
 
 // The default gradient format of nn::Linear's FP8 path: BMT_FP8_GRAD=e5m2 (default) | e4m3, or set here.
 Fp8Format fp8_grad_format();
 void set_fp8_grad_format(Fp8Format format);
+// The default scaling of nn::Linear's FP8 path: BMT_FP8_SCALING=tensor (default) | row, or set here.
+Fp8Scaling fp8_scaling();
+void set_fp8_scaling(Fp8Scaling scaling);
 
 }  // namespace bmt::nn

@@ -16,7 +16,8 @@ class LinearImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   int64_t in_features, out_features;
   at::Tensor weight, bias;  // weight (out, in)
-  // FP8 GEMMs (nn::fp8_linear, gradients in fp8_grad_format()); off: nn::linear. Not state: set it before training.
+  // FP8 GEMMs (nn::fp8_linear: gradients in fp8_grad_format(), scaling fp8_scaling()); off: nn::linear. Not
+  // state: set it before training.
   bool fp8 = false;
 };
 TORCH_MODULE(Linear);

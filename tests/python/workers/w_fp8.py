@@ -57,6 +57,42 @@ def fp8_linear_function_matches_the_dequantized_product():
             raise AssertionError(f"{fmt}: the bias gradient is not the sum of the output gradient's rows")
 
 
+def dequantized_rows(t, dtype):
+    """dequantized() with one scale per row (fp8_max / that row's amax; a zero row keeps scale 1)."""
+    fmax = torch.finfo(dtype).max
+    amax = t.detach().abs().amax(1, keepdim=True).float()
+    scale = torch.where(amax > 0, torch.tensor(fmax, dtype=torch.float32, device=t.device) / amax,
+                        torch.ones_like(amax))
+    q = (t.detach().float() * scale).clamp(-fmax, fmax).to(dtype)
+    return q.double() / scale.double()
+
+
+@case
+def fp8_linear_rowwise_matches_the_dequantized_product():
+    """scaling="row": each operand scaled per row along the contracted dimension (x and dy per token, W per output
+    row in the forward and per input column in dgrad, x and dy per feature in wgrad), every operand E4M3."""
+    x = rank_input(rank(), ROWS, IN, seed=31, requires_grad=True)
+    with torch.no_grad():
+        x.mul_(torch.logspace(0, -6, ROWS, base=2.0, device=x.device, dtype=x.dtype).unsqueeze(1))  # unequal tokens
+    w0, b0 = _w(32)
+    w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    y = bmt.nn.fp8_linear(x, w, b, scaling="row")
+    check_product("rowwise forward", y - b0, dequantized_rows(x, E4M3), dequantized_rows(w0, E4M3))
+    g = rank_input(rank(), ROWS, OUT, seed=33)
+    (y * g).sum().backward()
+    check_product("rowwise dgrad", x.grad, dequantized_rows(g, E4M3), dequantized_rows(w0.t(), E4M3))
+    check_product("rowwise wgrad", w.grad, dequantized_rows(g.t(), E4M3), dequantized_rows(x.detach().t(), E4M3))
+    # the process default and its setter (BMT_FP8_SCALING)
+    before = bmt._C.nn.fp8_scaling()
+    try:
+        bmt._C.nn.set_fp8_scaling("row")
+        assert_equal("fp8_linear under the row default", bmt.nn.fp8_linear(x, w0, b0), y.detach())
+    finally:
+        bmt._C.nn.set_fp8_scaling(before)
+    expect_raises("scaling='block'", (RuntimeError, ValueError),
+                  lambda: bmt.nn.fp8_linear(x, w0, b0, scaling="block"), must_mention=("block", "row"))
+
+
 @case
 def fp8_linear_falls_back_and_refuses_bad_formats():
     x, w = rank_input(rank(), ROWS, IN - 8, seed=21), randn(OUT, IN - 8, seed=22)  # 56 features: not FP8

@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/float_elements_cpu_internal.h"
@@ -84,16 +85,20 @@ void fp8_scale_cpu(const void* x, DType dtype, int64_t numel, Fp8Format format, 
     }
     amax = std::max(amax, v);
   }
-  float scale = 1.0f, inv = 1.0f;
-  if (!std::isfinite(amax)) {
-    scale = inv = std::numeric_limits<float>::quiet_NaN();
-  } else if (amax > 0.0f) {
-    scale = std::min(fp8_max(format) / amax, FLT_MAX);  // (a subnormal amax would give inf)
-    inv = 1.0f / scale;
-  }
   stats[kFp8Amax] = amax;
-  stats[kFp8Scale] = scale;
-  stats[kFp8InvScale] = inv;
+  fp8_scale_of(amax, format, &stats[kFp8Scale], &stats[kFp8InvScale]);
+}
+
+void fp8_scale_of(float amax, Fp8Format format, float* scale, float* inv_scale) {
+  float s = 1.0f, inv = 1.0f;
+  if (!std::isfinite(amax)) {
+    s = inv = std::numeric_limits<float>::quiet_NaN();
+  } else if (amax > 0.0f) {
+    s = std::min(fp8_max(format) / amax, FLT_MAX);  // (a subnormal amax would give inf)
+    inv = 1.0f / s;
+  }
+  *scale = s;
+  *inv_scale = inv;
 }
 
 void fp8_cast_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, const float* stats, Fp8Format format,
@@ -109,6 +114,44 @@ void fp8_cast_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, const 
       if (q) q[r * cols + c] = b;
       if (qt) qt[c * rows + r] = b;
     }
+  }
+}
+
+void fp8_cast_rowwise_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q,
+                          float* q_inv, uint8_t* qt, float* qt_inv) {
+  check_dtype(dtype, "fp8_cast_rowwise_cpu");
+  BMT_CHECK(rows >= 0 && cols >= 0, "fp8_cast_rowwise_cpu: negative shape [", rows, ", ", cols, "]");
+  BMT_CHECK(!q == !q_inv && !qt == !qt_inv, "fp8_cast_rowwise_cpu: each copy needs its inverse scales");
+  auto at = [&](int64_t r, int64_t c) {
+    return std::fabs(static_cast<float>(load_float_element(x, dtype, r * cols + c, "fp8_cast_rowwise_cpu")));
+  };
+  // |v| compared as the CUDA kernels compare it (its bits as an unsigned integer): a NaN is above every number
+  auto bigger = [](float a, float b) { return std::isnan(b) || (!std::isnan(a) && b > a); };
+  std::vector<float> scale;
+  if (q) {
+    scale.assign(static_cast<size_t>(rows), 1.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      float amax = 0.0f;
+      for (int64_t c = 0; c < cols; ++c)
+        if (bigger(amax, at(r, c))) amax = at(r, c);
+      fp8_scale_of(amax, format, &scale[r], &q_inv[r]);
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        q[r * cols + c] = float_to_fp8(
+            static_cast<float>(load_float_element(x, dtype, r * cols + c, "fp8_cast_rowwise_cpu")) * scale[r], format);
+  }
+  if (qt) {
+    std::vector<float> amax(static_cast<size_t>(cols), 0.0f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        if (bigger(amax[c], at(r, c))) amax[c] = at(r, c);
+    scale.assign(static_cast<size_t>(cols), 1.0f);
+    for (int64_t c = 0; c < cols; ++c) fp8_scale_of(amax[c], format, &scale[c], &qt_inv[c]);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        qt[c * rows + r] = float_to_fp8(
+            static_cast<float>(load_float_element(x, dtype, r * cols + c, "fp8_cast_rowwise_cpu")) * scale[c], format);
   }
 }
 

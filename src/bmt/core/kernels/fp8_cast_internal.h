@@ -39,6 +39,15 @@ void fp8_scale_cpu(const void* x, DType dtype, int64_t numel, Fp8Format format, 
 void fp8_cast_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, const float* stats, Fp8Format format,
                   uint8_t* q, uint8_t* qt);
 
+// scale and inv_scale of one amax, as the statistics above define them.
+void fp8_scale_of(float amax, Fp8Format format, float* scale, float* inv_scale);
+
+// Rowwise scaling: each row of q (rows x cols) cast with its own row's amax, q_inv[r] its inverse scale; each row
+// of qt (cols x rows, the transposed copy: a column of x) with that column's amax, qt_inv[c]. Either pair may be
+// null. Per row the statistics follow the per-tensor rules (a row with a NaN has NaN scales, a zero row scale 1).
+void fp8_cast_rowwise_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q,
+                          float* q_inv, uint8_t* qt, float* qt_inv);
+
 // Device memory (builds with BMT_WITH_CUDA); `stats` is device memory. `workspace`: fp8_scale_workspace_numel
 // uint32 words (one per block of the first reduction stage). `inv_scale_copy` (may be null): one more float of
 // device memory that also receives inv_scale, for a consumer that wants it in an allocation of its own (the GEMM).
@@ -47,5 +56,8 @@ void fp8_scale_cuda(const void* x, DType dtype, int64_t numel, Fp8Format format,
                     void* stream, float* inv_scale_copy = nullptr);
 void fp8_cast_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, const float* stats, Fp8Format format,
                    uint8_t* q, uint8_t* qt, void* stream);
+// fp8_cast_rowwise_cpu on the device; `workspace`: `cols` uint32 words (the column maxima, when qt is asked for).
+void fp8_cast_rowwise_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q,
+                           float* q_inv, uint8_t* qt, float* qt_inv, uint32_t* workspace, void* stream);
 
 }  // namespace bmt::core::kernels
