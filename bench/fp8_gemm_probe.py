@@ -13,7 +13,8 @@ bf16 output), for the layer's four linears and each of their three GEMMs:
 Each is also run with the other accumulation setting, and the bf16 GEMM with the same operand layouts (torch.mm).
 Median of --reps CUDA-event timings after warm-up; TFLOP/s and the FP8 / bf16 speed-up per GEMM and summed per layer.
 Where bmtrain imports (PYTHONPATH=<build>/python), each linear's whole forward + backward is also timed as the engine
-runs it: bmt's FP8 linear (casts and amax included) against its bf16 linear (rows with gemm "linear_fwd_bwd").
+runs it: bmt's FP8 linear (casts and amax included; per-tensor and rowwise scaling) against its bf16 linear (rows
+with gemm "linear_fwd_bwd").
 
   python3 bench/fp8_gemm_probe.py [--preset gpt-1.3b|gpt-6.7b] [--tokens 16384] [--json PATH]
 Environment: BMT_CALL_ID, BMT_GIT_COMMIT as in torchops_gpt.py. On a CPU (--device cpu) it runs the same calls at a
