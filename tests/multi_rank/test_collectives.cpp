@@ -299,16 +299,29 @@ void tensor_checks(Communicator& c) {
   }
 }
 
-// Rank 0 arrives late; everybody else must wait for it.
+// Rank 0 arrives late; everybody else must wait for it. Compared as instants of steady_clock (CLOCK_MONOTONIC: one
+// clock for every process of the host), not as each rank's own elapsed time: a rank that a loaded machine delays
+// after the previous barrier would start its clock late and measure less than rank 0 slept.
 void barrier_checks(Communicator& c) {
   for (int k = 0; k < 3; ++k) c.barrier();
   if (c.size() < 2) return;
-  auto t0 = std::chrono::steady_clock::now();
-  if (c.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  auto now_ns = [] {
+    return static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::steady_clock::now().time_since_epoch())
+                                    .count());
+  };
+  int64_t arrived_ns = 0;
+  if (c.rank() == 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    arrived_ns = now_ns();
+  }
   c.barrier();
-  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const int64_t left_ns = now_ns();
+  int64_t rank0_arrived_ns = 0;
+  c.broadcast(&arrived_ns, &rank0_arrived_ns, 1, DType::kInt64, 0, nullptr);
   if (c.rank() != 0) {
-    EXPECT_GE(ms, 200.0) << "barrier on '" << c.name() << "' returned before rank 0 arrived";
+    EXPECT_GE(left_ns, rank0_arrived_ns) << "barrier on '" << c.name() << "' returned "
+                                         << (rank0_arrived_ns - left_ns) / 1e6 << " ms before rank 0 arrived";
   }
 }
 
