@@ -257,6 +257,7 @@ int64_t last_logged_step(const std::string& log, int64_t steps) {
 TEST(TrainGptKillResume, SoakOfTwentyRandomKillsEachResumedEndsOnTheUninterruptedRun) {
   constexpr int64_t kSteps = 160, kSaveEvery = 2, kKeepLast = 3;  // --keep-last runs under the kills too
   constexpr int kCycles = 20;
+  constexpr int64_t kStepsPerCycle = 4;  // the most steps a cycle waits for past its resume point (see the cut)
   const auto t_soak = Clock::now();
   std::mt19937 rng(test_seed() + 4);
   const std::string root = temp_root("soak");
@@ -304,10 +305,13 @@ TEST(TrainGptKillResume, SoakOfTwentyRandomKillsEachResumedEndsOnTheUninterrupte
       wait_exit(pid, std::chrono::seconds(30));
       FAIL() << "cycle " << cycle << ": rank " << rank << " never started\n" << read_file(log);
     }
-    // The drawn delay, cut short when the run nears its end: a loaded machine's reference start-up can outlast a
-    // resumed one's by far, and a kill must land before the last steps.
+    // The drawn delay, cut short once this run has done kStepsPerCycle steps past the checkpoint it resumed from: a
+    // loaded machine's reference start-up can outlast a resumed one's by far, and cycles that each ran on until a
+    // cut near the end would leave the later ones only a few steps, which a run can finish before the kill lands.
+    // 20 cycles of a few steps each stay far below kSteps.
+    const int64_t cut = std::min(last_latest + kStepsPerCycle, kSteps - 4);
     const auto t_kill = Clock::now();
-    while (seconds_since(t_kill) < delay_s && last_logged_step(read_file(log), kSteps) < kSteps - 4)
+    while (seconds_since(t_kill) < delay_s && last_logged_step(read_file(log), kSteps) < cut)
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     const bool sent = ::kill(ranks[static_cast<size_t>(rank)], SIGKILL) == 0;
     const int code = wait_exit(pid, std::chrono::seconds(120));
