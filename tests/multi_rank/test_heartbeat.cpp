@@ -129,8 +129,12 @@ TEST(Heartbeat, KilledRankIsNamedQuicklyAndInTheGlooError) {
 // SIGSTOP of rank 2 of 3: its heartbeat stops but its process exists. The verdict comes after the heartbeat
 // timeout (6 s), says the process is stopped, and reaches rank 0 too (which does not watch rank 2 itself).
 // A Gloo barrier on the stopped rank times out with a DistError naming it.
+// The barrier's timeout is twice the heartbeat's: with both equal, rank 0's barrier error came when the verdict
+// (stale time + up to three polls: see, publish, adopt) was due, and the error's wait for it (three polls) left
+// about a second for a loaded machine's delays.
 TEST(Heartbeat, StoppedRankIsNamedAfterTheTimeoutNotBefore) {
   constexpr int kTimeoutS = 6;
+  setenv("BMT_HEARTBEAT_TIMEOUT_S", std::to_string(kTimeoutS).c_str(), 1);  // the children inherit it
   auto report = bmt::testing::run_ranks(3, [] {
     auto& cfg = bmt::config();
     if (bmt::rank() == 2) {
@@ -162,7 +166,8 @@ TEST(Heartbeat, StoppedRankIsNamedAfterTheTimeoutNotBefore) {
     }
     std::fflush(stdout);
     std::_Exit(code);
-  }, init_with_timeout(kTimeoutS), fault_run());
+  }, init_with_timeout(2 * kTimeoutS), fault_run());
+  unsetenv("BMT_HEARTBEAT_TIMEOUT_S");
   if (bmt::testing::in_rank_process()) return;
   EXPECT_EQ(status_of(report, 2, 3), "signal Killed") << report.summary;
   EXPECT_EQ(status_of(report, 0, 3), kCaught) << report.summary;
