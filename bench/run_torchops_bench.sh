@@ -15,7 +15,8 @@
 #   TORCHOPS_HOST=1         first, bench/host_overhead.py on the GPU: host µs per layer, rows in the same file
 #   TORCHOPS_FP8=0          1: only issue 34's FP8 rows, at 1p3b and 6p7b_ckpt (or the CONFIGs given): the package
 #                           bf16 and --fp8, FSDP2 + torchao float8 eager and compiled (torchao from .deps/wheels,
-#                           scripts/prepare_device_deps.sh), the engine's bf16 and --fp8
+#                           scripts/prepare_device_deps.sh), the engine's bf16, --fp8 and --fp8 with rowwise scales
+#                           (BMT_FP8_SCALING=row)
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
 # The C++ engine's rows use its own best settings per config (124m --cuda-graphs; checkpointed configs
 # --step-in-backward; offload --offload-grad-bf16 --offload-async); its config string is mapped to the five names
@@ -114,6 +115,7 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
     run_one "bmtpy_fp8_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P --fp8
     run_one "bmt_$cfg" bmt "$CANON" "$BIN" --framework bmt $C
     run_one "bmt_fp8_$cfg" bmt "$CANON" "$BIN" --framework bmt $C --fp8
+    run_one "bmt_fp8row_$cfg" bmt "$CANON" env BMT_FP8_SCALING=row "$BIN" --framework bmt $C --fp8
     if python3 -c "import torchao" 2>/dev/null; then
       run_one "fsdp2_fp8_$cfg" py "$CANON" "${PY[@]}" --framework fsdp2 $P --fp8
       run_one "fsdp2_fp8_compile_$cfg" py "$CANON" "${PY[@]}" --framework fsdp2 $P --fp8 --compile
