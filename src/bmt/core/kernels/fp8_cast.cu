@@ -1,4 +1,4 @@
-// CUDA FP8 scale and cast, per tensor (fp8_cast_internal.h; shared device pieces in fp8_cast_device.cuh).
+// CUDA FP8 scale and cast, per tensor (fp8_cast_internal.h; shared device pieces in fp8_cast_internal.cuh).
 // Scale: stage 1, fp8_scale_workspace_numel blocks of 256 threads each reduce a grid-strided share of |x| to one
 // maximum; stage 2, one block reduces those and writes {amax, scale, inv_scale}.
 // Cast: without the transposed copy, 16-byte vector loads where aligned; with it, tiles through shared memory so
@@ -6,7 +6,7 @@
 // elements per access (16-byte loads, 8-byte stores) when rows and columns are multiples of 8 and the buffers
 // aligned (every FP8 GEMM operand: their dimensions are multiples of 16), else 32 x 32 tiles element by element.
 // (The element-wise tile ran near a third of HBM bandwidth: it was most of FP8's cast cost.)
-#include "bmt/core/kernels/fp8_cast_device.cuh"
+#include "bmt/core/kernels/fp8_cast_internal.cuh"
 
 namespace bmt::core::kernels {
 namespace {

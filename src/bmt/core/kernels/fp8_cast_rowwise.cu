@@ -1,9 +1,9 @@
-// CUDA FP8 cast with rowwise scaling (fp8_cast_internal.h; shared device pieces in fp8_cast_device.cuh).
+// CUDA FP8 cast with rowwise scaling (fp8_cast_internal.h; shared device pieces in fp8_cast_internal.cuh).
 // Row-major copy: one block per row reads the row for its maximum, then again (from L2: rows are KBs) to cast it.
 // Transposed copy, scaled per column of x: the column maxima by atomicMax on |x|'s bits into the zeroed workspace
 // (tiles of 64 rows, one column per thread, consecutive threads on consecutive columns), then the transposing cast
 // of fp8_cast.cu with each tile's column scales in shared memory.
-#include "bmt/core/kernels/fp8_cast_device.cuh"
+#include "bmt/core/kernels/fp8_cast_internal.cuh"
 
 namespace bmt::core::kernels {
 namespace {
