@@ -3,14 +3,12 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <optional>
-#include <string>
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/nn/fused_reductions.h"
+#include "bmt/runtime/env_switch_internal.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
@@ -24,8 +22,8 @@ namespace k = core::kernels;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-std::atomic<int> g_grad_format{-1};  // -1: not yet read from BMT_FP8_GRAD
-std::atomic<int> g_scaling{-1};      // -1: not yet read from BMT_FP8_SCALING
+EnvChoice<Fp8Format, 2> g_grad_format("BMT_FP8_GRAD", {{{"e5m2", Fp8Format::kE5M2}, {"e4m3", Fp8Format::kE4M3}}});
+EnvChoice<Fp8Scaling, 2> g_scaling("BMT_FP8_SCALING", {{{"tensor", Fp8Scaling::kTensor}, {"row", Fp8Scaling::kRow}}});
 
 k::Fp8Format core_format(Fp8Format f) { return f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2; }
 
@@ -204,34 +202,12 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
                             grad && x.requires_grad(), grad && weight.requires_grad());
 }
 
-Fp8Format fp8_grad_format() {
-  int v = g_grad_format.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("BMT_FP8_GRAD");
-    const std::string s = e ? e : "";
-    if (s.empty() || s == "e5m2") v = static_cast<int>(Fp8Format::kE5M2);
-    else if (s == "e4m3") v = static_cast<int>(Fp8Format::kE4M3);
-    else BMT_ERROR("BMT_FP8_GRAD=", s, ": expected e5m2 or e4m3");
-    g_grad_format.store(v, std::memory_order_relaxed);
-  }
-  return static_cast<Fp8Format>(v);
-}
+Fp8Format fp8_grad_format() { return g_grad_format.get(); }
 
-void set_fp8_grad_format(Fp8Format format) { g_grad_format.store(static_cast<int>(format), std::memory_order_relaxed); }
+void set_fp8_grad_format(Fp8Format format) { g_grad_format.set(format); }
 
-Fp8Scaling fp8_scaling() {
-  int v = g_scaling.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("BMT_FP8_SCALING");
-    const std::string s = e ? e : "";
-    if (s.empty() || s == "tensor") v = static_cast<int>(Fp8Scaling::kTensor);
-    else if (s == "row") v = static_cast<int>(Fp8Scaling::kRow);
-    else BMT_ERROR("BMT_FP8_SCALING=", s, ": expected tensor or row");
-    g_scaling.store(v, std::memory_order_relaxed);
-  }
-  return static_cast<Fp8Scaling>(v);
-}
+Fp8Scaling fp8_scaling() { return g_scaling.get(); }
 
-void set_fp8_scaling(Fp8Scaling scaling) { g_scaling.store(static_cast<int>(scaling), std::memory_order_relaxed); }
+void set_fp8_scaling(Fp8Scaling scaling) { g_scaling.set(scaling); }
 
 }  // namespace bmt::nn

@@ -3,10 +3,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 
-#include <atomic>
-#include <cstdlib>
 #include <optional>
-#include <string>
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
@@ -27,7 +24,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 EnvSwitch g_enabled("BMT_GEMM_EPILOGUES");
-std::atomic<int> g_backward{-1};
+EnvChoice<GeluMlpBackward, 3> g_backward("BMT_GELU_MLP_BACKWARD", {{{"dgelu", GeluMlpBackward::kDGelu},
+                                                                    {"dgelu_bgrad", GeluMlpBackward::kDGeluBGrad},
+                                                                    {"separate", GeluMlpBackward::kSeparate}}});
 
 // One epilogue GEMM on row-major 2-D tensors: on CUDA cuBLASLt (false when it has no algorithm), on CPU the twin.
 bool run_gemm(k::GemmEpilogue epilogue, const at::Tensor& a, const at::Tensor& b, bool b_transposed,
@@ -231,21 +230,9 @@ bool gemm_epilogues_enabled() { return g_enabled.enabled(); }
 
 void set_gemm_epilogues_enabled(bool enabled) { g_enabled.set(enabled); }
 
-GeluMlpBackward gelu_mlp_backward() {
-  int v = g_backward.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("BMT_GELU_MLP_BACKWARD");
-    const std::string s = e ? e : "";
-    if (s.empty() || s == "dgelu") v = static_cast<int>(GeluMlpBackward::kDGelu);
-    else if (s == "dgelu_bgrad") v = static_cast<int>(GeluMlpBackward::kDGeluBGrad);
-    else if (s == "separate") v = static_cast<int>(GeluMlpBackward::kSeparate);
-    else BMT_ERROR("BMT_GELU_MLP_BACKWARD=", s, ": expected dgelu, dgelu_bgrad or separate");
-    g_backward.store(v, std::memory_order_relaxed);
-  }
-  return static_cast<GeluMlpBackward>(v);
-}
+GeluMlpBackward gelu_mlp_backward() { return g_backward.get(); }
 
-void set_gelu_mlp_backward(GeluMlpBackward mode) { g_backward.store(static_cast<int>(mode), std::memory_order_relaxed); }
+void set_gelu_mlp_backward(GeluMlpBackward mode) { g_backward.set(mode); }
 
 namespace {
 
