@@ -55,18 +55,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const void* x, int64_t n
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (vec) {  // V bytes out per thread: 8 (one 8-byte store) or 4 (one 4-byte store)
-    for (int64_t v = i0; v < numel / V; v += stride) {
-      float e[V];
-      detail::load_vec<D>(x, v * V, e);
-      uint8_t b[V];
-#pragma unroll
-      for (int k = 0; k < V; ++k) b[k] = to_fp8<F>(e[k], scale);
-      if constexpr (V == 8) {
-        *reinterpret_cast<uint2*>(q + v * V) = *reinterpret_cast<const uint2*>(b);
-      } else {
-        *reinterpret_cast<uint32_t*>(q + v * V) = *reinterpret_cast<const uint32_t*>(b);
-      }
-    }
+    for (int64_t v = i0; v < numel / V; v += stride) cast_vec<D, F>(x, v * V, scale, q);
   } else {
     for (int64_t i = i0; i < numel; i += stride) q[i] = to_fp8<F>(detail::load<D>(x, i), scale);
   }

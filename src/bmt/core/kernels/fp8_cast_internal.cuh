@@ -57,6 +57,22 @@ __device__ __forceinline__ uint8_t to_fp8(float v, float scale) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(v, scale), __NV_SATFINITE, kind));
 }
 
+// The kVecElems<D> elements of x at element i (a multiple of it, aligned) cast into q[i..]: one 8- or 4-byte store.
+template <DType D, Fp8Format F>
+__device__ __forceinline__ void cast_vec(const void* x, int64_t i, float scale, uint8_t* q) {
+  constexpr int V = detail::kVecElems<D>;
+  float e[V];
+  detail::load_vec<D>(x, i, e);
+  uint8_t b[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) b[k] = to_fp8<F>(e[k], scale);
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint2*>(q + i) = *reinterpret_cast<const uint2*>(b);
+  } else {
+    *reinterpret_cast<uint32_t*>(q + i) = *reinterpret_cast<const uint32_t*>(b);
+  }
+}
+
 template <DType D>
 __device__ __forceinline__ void load8(const void* x, int64_t i, float (&e)[kGroup]) {
   if constexpr (D == DType::kFloat32) {  // two 16-byte loads

@@ -42,18 +42,7 @@ __global__ void __launch_bounds__(kThreads) row_cast_kernel(const void* x, int64
   __syncthreads();
   const float scale = row_scale;
   if (vec) {
-    for (int64_t v = threadIdx.x; v < cols / V; v += kThreads) {
-      float e[V];
-      detail::load_vec<D>(x, base + v * V, e);
-      uint8_t b[V];
-#pragma unroll
-      for (int k = 0; k < V; ++k) b[k] = to_fp8<F>(e[k], scale);
-      if constexpr (V == 8) {
-        *reinterpret_cast<uint2*>(q + base + v * V) = *reinterpret_cast<const uint2*>(b);
-      } else {
-        *reinterpret_cast<uint32_t*>(q + base + v * V) = *reinterpret_cast<const uint32_t*>(b);
-      }
-    }
+    for (int64_t v = threadIdx.x; v < cols / V; v += kThreads) cast_vec<D, F>(x, base + v * V, scale, q);
   } else {
     for (int64_t c = threadIdx.x; c < cols; c += kThreads) q[base + c] = to_fp8<F>(detail::load<D>(x, base + c), scale);
   }
