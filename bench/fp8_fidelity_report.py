@@ -1,0 +1,128 @@
+"""fp8_fidelity_report.py: issue 34's loss-fidelity verdict from two train_gpt metrics files (--metrics) of the
+same run in bf16 and with --fp8. Appends to --results one row per run (framework bmt, kind fp8_fidelity, fp8,
+the held-out curve, the final held-out and training losses, tokens/s) and one comparison row (the final held-out
+losses' relative difference, whether it is within 1%, whether either run diverged: a non-finite loss, or a
+held-out loss that ends above its minimum by more than 10%), all with $BMT_CALL_ID; writes --svg, the two held-out
+curves and the training losses (a 20-step running mean) on one chart. Prints the verdict line."""
+import argparse
+import json
+import math
+import os
+import sys
+
+
+def load(path):
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    speeds = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
+    if not evals or not train:
+        raise SystemExit(f"{path}: no held-out or training losses (did the run end early?)")
+    return evals, train, speeds
+
+
+def running_mean(points, width=20):
+    out, acc = [], []
+    for s, v in points:
+        acc.append(v)
+        if len(acc) > width:
+            acc.pop(0)
+        out.append((s, sum(acc) / len(acc)))
+    return out
+
+
+def diverged(evals, train):
+    values = [v for _, v in evals] + [v for _, v in train]
+    if any(not math.isfinite(v) for v in values):
+        return "non-finite loss"
+    low = min(v for _, v in evals)
+    if evals[-1][1] > 1.1 * low:
+        return f"held-out loss ended at {evals[-1][1]:.4f}, above its minimum {low:.4f} by more than 10%"
+    return ""
+
+
+def svg(path, title, series):
+    """series: [(label, colour, dash, [(x, y)])] -> a line chart with axes and a legend, no dependencies."""
+    w, h, l, r, t, b = 720, 420, 64, 16, 36, 48
+    xs = [x for *_, pts in series for x, _ in pts]
+    ys = [y for *_, pts in series for _, y in pts if math.isfinite(y)]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    y0, y1 = y0 - 0.02 * (y1 - y0), y1 + 0.02 * (y1 - y0)
+    px = lambda x: l + (x - x0) / max(x1 - x0, 1e-9) * (w - l - r)
+    py = lambda y: t + (y1 - y) / max(y1 - y0, 1e-9) * (h - t - b)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+           f'font-size="12"><rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>']
+    for i in range(6):
+        yv = y0 + (y1 - y0) * i / 5
+        xv = x0 + (x1 - x0) * i / 5
+        out.append(f'<line x1="{l}" x2="{w - r}" y1="{py(yv):.1f}" y2="{py(yv):.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{l - 6}" y="{py(yv) + 4:.1f}" text-anchor="end">{yv:.2f}</text>')
+        out.append(f'<text x="{px(xv):.1f}" y="{h - b + 16}" text-anchor="middle">{xv:.0f}</text>')
+    out.append(f'<text x="{(l + w - r) / 2}" y="{h - 10}" text-anchor="middle">step</text>')
+    out.append(f'<text x="14" y="{(t + h - b) / 2}" transform="rotate(-90 14 {(t + h - b) / 2})" '
+               f'text-anchor="middle">loss (nats/byte)</text>')
+    out.append(f'<rect x="{l}" y="{t}" width="{w - l - r}" height="{h - t - b}" fill="none" stroke="#888"/>')
+    for i, (label, colour, dash, pts) in enumerate(series):
+        d = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts if math.isfinite(y))
+        out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.6" stroke-dasharray="{dash}" '
+                   f'points="{d}"/>')
+        ly = t + 14 + 16 * i
+        out.append(f'<line x1="{w - r - 210}" x2="{w - r - 180}" y1="{ly}" y2="{ly}" stroke="{colour}" '
+                   f'stroke-width="2" stroke-dasharray="{dash}"/>')
+        out.append(f'<text x="{w - r - 174}" y="{ly + 4}">{label}</text>')
+    out.append("</svg>")
+    tmp = path + ".partial"
+    with open(tmp, "w") as f:
+        f.write("\n".join(out) + "\n")
+    os.replace(tmp, path)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--bf16", required=True)
+    p.add_argument("--fp8", required=True)
+    p.add_argument("--args", default="", help="the train_gpt arguments both runs shared")
+    p.add_argument("--results", required=True)
+    p.add_argument("--svg", required=True)
+    p.add_argument("--corpus-info", default="")
+    a = p.parse_args()
+    call_id = os.environ.get("BMT_CALL_ID", "unknown")
+    base = {"kind": "fp8_fidelity", "framework": "bmt", "config": a.config, "args": a.args, "call_id": call_id,
+            "git_commit": os.environ.get("BMT_GIT_COMMIT", "unknown"),
+            "machine": os.environ.get("BMT_BENCH_MACHINE", "unknown")}
+    if a.corpus_info and os.path.exists(a.corpus_info):
+        info = json.loads(open(a.corpus_info).read().strip().splitlines()[-1])
+        base["data"] = {k: info[k] for k in ("bytes", "files", "sha256", "torch") if k in info}
+    runs = {}
+    for name, path in (("bf16", a.bf16), ("fp8", a.fp8)):
+        if not os.path.exists(path):
+            print(f"[fp8_fidelity] {a.config}: {name} run wrote no metrics ({path}); no verdict")
+            return 1
+        runs[name] = load(path)
+    rows = []
+    for name, (evals, train, speeds) in runs.items():
+        rows.append(dict(base, fp8=name == "fp8", steps=train[-1][0], eval_curve=evals,
+                         final_eval_loss=evals[-1][1], final_train_loss_mean20=running_mean(train)[-1][1],
+                         tokens_per_s=sorted(speeds)[len(speeds) // 2] if speeds else None,
+                         diverged=diverged(evals, train) or None))
+    e16, e8 = rows[0]["final_eval_loss"], rows[1]["final_eval_loss"]
+    rel = (e8 - e16) / e16
+    verdict = dict(base, comparison="fp8_vs_bf16", steps=rows[0]["steps"], final_eval_loss_bf16=e16,
+                   final_eval_loss_fp8=e8, rel_diff=rel, within_1pct=abs(rel) <= 0.01,
+                   diverged=rows[0]["diverged"] or rows[1]["diverged"] or None)
+    with open(a.results, "a") as f:
+        for r in rows + [verdict]:
+            f.write(json.dumps(r) + "\n")
+    svg(a.svg, f"{a.config}: bf16 vs FP8, same init and batches ({a.args})",
+        [("bf16 held-out", "#1f77b4", "", runs["bf16"][0]), ("FP8 held-out", "#d62728", "6 3", runs["fp8"][0]),
+         ("bf16 train (mean 20)", "#9ecae1", "", running_mean(runs["bf16"][1])),
+         ("FP8 train (mean 20)", "#fcae91", "6 3", running_mean(runs["fp8"][1]))])
+    print(f"RESULT fidelity {a.config}: steps {rows[0]['steps']}, held-out bf16 {e16:.4f} fp8 {e8:.4f} "
+          f"({100 * rel:+.2f}%, within 1%: {abs(rel) <= 0.01}), diverged: {verdict['diverged'] or 'no'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# run_fp8_fidelity.sh [BUILD_DIR] [CONFIG...]: issue 34's loss fidelity. train_gpt trains the same GPT twice on real
+# text (bench/make_text_corpus.py: torch's own Python sources, byte-level, last 10% held out), in bf16 and with
+# --fp8, from the same initialisation and the same batches (same seed: the data order and the init do not depend
+# on --fp8), 1000 steps each with the held-out loss every EVAL steps. bench/fp8_fidelity_report.py then writes one
+# row per run (the held-out curve, the final losses, fp8) and one comparison row per config to
+# bench/results/<date>-<machine>.jsonl under one call_id, and an SVG of the curves next to them.
+#
+#   CONFIG   124m (gpt2-124m, seq 1024, batch 16, eval every 50) and/or 1p3b (gpt-1.3b, seq 1024, batch 4, eval every
+#            100); default both
+#   FIDELITY_STEPS=1000     training steps per run
+#   FIDELITY_SMOKE=1        the tiny preset for 40 steps on the CPU (a check of the script, not a measurement)
+#   FIDELITY_BUDGET_S=560   wall-clock budget; each run's timeout is what is left
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build-gpu}
+[ $# -gt 0 ] && shift
+BIN=$BUILD/examples/train_gpt
+. bench/bench_lib.sh
+SMOKE=${FIDELITY_SMOKE:-0}
+bench_setup fp8_fidelity "${FIDELITY_BUDGET_S:-560}" "" 29860 100000
+export BMT_CALL_ID=${BMT_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-$BMT_GIT_COMMIT-fidelity}
+[ "$SMOKE" = 1 ] && RESULTS=$LOGDIR/smoke.jsonl
+STEPS=${FIDELITY_STEPS:-1000}
+CONFIGS=("$@")
+[ ${#CONFIGS[@]} -eq 0 ] && CONFIGS=(124m 1p3b)
+CORPUS=${FIDELITY_CORPUS:-$LOGDIR/corpus.txt}
+[ -s "$CORPUS" ] || python3 bench/make_text_corpus.py "$CORPUS" | tee "$LOGDIR/corpus.json" || exit 2
+echo "[fp8_fidelity] call_id $BMT_CALL_ID"
+
+for cfg in "${CONFIGS[@]}"; do
+  case $cfg in
+    124m) A="--preset gpt2-124m --seq 1024 --batch 16 --eval-every 50 --eval-batches 16" ;;
+    1p3b) A="--preset gpt-1.3b --seq 1024 --batch 4 --eval-every 100 --eval-batches 16" ;;
+    *) echo "[fp8_fidelity] unknown config '$cfg' (124m 1p3b)" >&2; exit 2 ;;
+  esac
+  [ "$SMOKE" = 1 ] && A="--preset tiny --eval-every 10 --eval-batches 2" STEPS=40
+  for mode in bf16 fp8; do
+    id=${cfg}_$mode
+    left=$((BENCH_BUDGET - ($(date +%s) - BENCH_START)))
+    if [ "$left" -lt 30 ]; then echo "[fp8_fidelity] $id: skipped (time budget)"; continue; fi
+    flag=""; [ $mode = fp8 ] && flag=--fp8
+    t0=$(date +%s)
+    rm -f "$LOGDIR/$id.metrics.jsonl"
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29860 + RANDOM % 100)) timeout -k 10 "$left" "$BIN" $A --steps "$STEPS" \
+      --data "$CORPUS" --data-format text $flag --metrics "$LOGDIR/$id.metrics.jsonl" --progress lines \
+      --log-every 100 > "$LOGDIR/$id.log" 2>&1
+    rc=$?
+    echo "[fp8_fidelity] $id: rc $rc, $(grep '^done:' "$LOGDIR/$id.log" | tail -1) [$(( $(date +%s) - t0 ))s]"
+    [ $rc -eq 0 ] || tail -5 "$LOGDIR/$id.log" | cut -c1-300 | sed 's/^/    /'
+  done
+  python3 bench/fp8_fidelity_report.py --config "$cfg" --bf16 "$LOGDIR/${cfg}_bf16.metrics.jsonl" \
+    --fp8 "$LOGDIR/${cfg}_fp8.metrics.jsonl" --args "$A --steps $STEPS" --results "$RESULTS" \
+    --svg "$LOGDIR/fp8_fidelity_$cfg.svg" --corpus-info "$LOGDIR/corpus.json"
+done
+rm -f "$LOGDIR/corpus.txt"  # 41 MB; rebuilt from the installed torch by make_text_corpus.py
+exit 0
