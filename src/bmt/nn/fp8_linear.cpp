@@ -39,9 +39,14 @@ std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
 
 // a [m, k] row-major x b [n, k] row-major (= the column-major [k, n] operand _scaled_mm wants), dequantised by the
 // operands' inverse scales (0-dim: per tensor; [m] and [n]: per row), into out_dtype. Fast accumulation only in the
-// forward (the gradients' GEMMs keep full fp32 accumulation, as torchao and TransformerEngine do).
+// forward (the gradients' GEMMs keep full fp32 accumulation, as torchao and TransformerEngine do). A bias is added
+// in the GEMM's epilogue where cuBLASLt takes it (per-tensor scales, a 16-bit output of the bias's dtype: one
+// write of the output instead of a write, a read and a write), after the GEMM elsewhere.
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at::Tensor& b, const at::Tensor& b_inv,
-                     at::ScalarType out_dtype, bool fast_accum) {
+                     at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias = std::nullopt) {
+  if (bias && a_inv.dim() == 0 && a.is_cuda() && out_dtype != at::kFloat && bias->scalar_type() == out_dtype)
+    return at::_scaled_mm(a, b.t(), a_inv, b_inv, *bias, std::nullopt, out_dtype, fast_accum);
+  if (bias) return scaled_mm(a, a_inv, b, b_inv, out_dtype, fast_accum).add_(*bias);
   if (a_inv.dim() == 0) return at::_scaled_mm(a, b.t(), a_inv, b_inv, std::nullopt, std::nullopt, out_dtype, fast_accum);
   const at::Tensor sa = a_inv.view({-1, 1}), sb = b_inv.view({1, -1});
   if (a.is_cuda() && out_dtype == at::kBFloat16)  // the rowwise kernels' one output dtype
@@ -68,10 +73,9 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const at::Tensor x2 = x.contiguous().view({-1, in});
     const Fp8Tensor xq = cast_as(scaling, x2, Fp8Format::kE4M3, true, want_dw);
     const Fp8Tensor wq = cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
-    // The bias is added after the GEMM, as torchao does: the fused bias epilogue is one of the suspects of the
-    // CUBLAS_STATUS_NOT_SUPPORTED an H200 gave at 81f1cd3 (issue 34's note); fuse it again once measured there.
-    at::Tensor y = scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), /*fast_accum=*/true);
-    if (bias) y.add_(*bias);
+    // (the fused bias was cleared of the CUBLAS_STATUS_NOT_SUPPORTED of 81f1cd3 by the session-13 probe on an H200)
+    const at::Tensor y =
+        scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), /*fast_accum=*/true, bias);
     ctx->save_for_backward({want_dw ? xq.data_t : at::Tensor(), want_dw ? xq.inv_scale_t() : at::Tensor(),
                             want_dx ? weight : at::Tensor()});
     ctx->saved_data["grad_format"] = grad_format;
