@@ -11,11 +11,12 @@
 #   FIDELITY_STEPS=1000     training steps per run
 #   FIDELITY_SMOKE=1        the tiny preset for 40 steps on the CPU (a check of the script, not a measurement)
 #   FIDELITY_BUDGET_S=560   wall-clock budget; each run's timeout is what is left
+#   FIDELITY_CORPUS=PATH    train on this text file instead (kept); FIDELITY_TRAIN_GPT=PATH the train_gpt binary
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-gpu}
 [ $# -gt 0 ] && shift
-BIN=$BUILD/examples/train_gpt
+BIN=${FIDELITY_TRAIN_GPT:-$BUILD/examples/train_gpt}
 . bench/bench_lib.sh
 SMOKE=${FIDELITY_SMOKE:-0}
 bench_setup fp8_fidelity "${FIDELITY_BUDGET_S:-560}" "" 29860 100000
@@ -53,5 +54,5 @@ for cfg in "${CONFIGS[@]}"; do
     --fp8 "$LOGDIR/${cfg}_fp8.metrics.jsonl" --args "$A --steps $STEPS" --results "$RESULTS" \
     --svg "$LOGDIR/fp8_fidelity_$cfg.svg" --corpus-info "$LOGDIR/corpus.json"
 done
-rm -f "$LOGDIR/corpus.txt"  # 41 MB; rebuilt from the installed torch by make_text_corpus.py
+[ -n "${FIDELITY_CORPUS:-}" ] || rm -f "$LOGDIR/corpus.txt"  # 41 MB; rebuilt from the installed torch by make_text_corpus.py
 exit 0

@@ -1,0 +1,75 @@
+"""bench/run_fp8_fidelity.sh (issue 34's loss fidelity) in its CPU smoke mode: train_gpt in bf16 and --fp8 on the
+same text, one row per run and a verdict row, an SVG with the four curves; and fp8_fidelity_report.py's verdicts on
+made-up curves (a NaN loss and a held-out loss that climbs away from its minimum count as divergence, a 2% gap is
+not within 1%)."""
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPORT = os.path.join(REPO, "bench", "fp8_fidelity_report.py")
+
+
+def _text(path):
+    # real text: this repository's design notes, repeated to leave a held-out split of several windows
+    docs = open(os.path.join(REPO, "docs", "design.md"), "rb").read()
+    with open(path, "wb") as f:
+        f.write(docs * max(1, 400_000 // len(docs) + 1))
+
+
+def test_smoke_run_writes_rows_verdict_and_svg(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    _text(corpus)
+    env = dict(os.environ, FIDELITY_SMOKE="1", OUT=str(tmp_path / "out"), FIDELITY_CORPUS=str(corpus),
+               FIDELITY_TRAIN_GPT=os.environ["TRAIN_GPT"], BMT_CALL_ID="smoke-fidelity", OMP_NUM_THREADS="1")
+    r = subprocess.run(["bash", os.path.join(REPO, "bench", "run_fp8_fidelity.sh"), "unused", "124m"], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "out" / "fp8_fidelity"
+    rows = [json.loads(l) for l in open(out / "smoke.jsonl")]
+    assert [r.get("fp8") for r in rows] == [False, True, None], rows
+    for row in rows:
+        assert row["call_id"] == "smoke-fidelity" and row["kind"] == "fp8_fidelity" and row["config"] == "124m"
+    bf16, fp8, verdict = rows
+    assert bf16["steps"] == fp8["steps"] == 40
+    assert [s for s, _ in bf16["eval_curve"]] == [0, 10, 20, 30, 40] == [s for s, _ in fp8["eval_curve"]]
+    # the same init and batches: the step-0 held-out losses agree to FP8's effect on one forward
+    assert abs(bf16["eval_curve"][0][1] - fp8["eval_curve"][0][1]) < 1e-2
+    assert bf16["final_eval_loss"] < bf16["eval_curve"][0][1] - 0.5  # it learned
+    assert verdict["final_eval_loss_fp8"] == fp8["final_eval_loss"]
+    assert abs(verdict["rel_diff"]) < 0.01 and verdict["within_1pct"] is True and verdict["diverged"] is None
+    svg = ET.parse(out / "fp8_fidelity_124m.svg").getroot()
+    assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 4
+
+
+def _metrics(path, evals, train):
+    with open(path, "w") as f:
+        for s, v in evals:
+            f.write(json.dumps({"step": s, "loss": None, "eval_loss": v}) + "\n")
+        for s, v in train:
+            f.write(json.dumps({"step": s, "loss": v, "tokens_per_s": 1.0, "eval_loss": None}) + "\n")
+
+
+def _report(tmp_path, bf16_evals, fp8_evals, fp8_train=None):
+    a, b, res = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "res.jsonl"
+    train = [(s, 3.0 - s / 100) for s in range(1, 101)]
+    _metrics(a, bf16_evals, train)
+    _metrics(b, fp8_evals, fp8_train or train)
+    r = subprocess.run([sys.executable, REPORT, "--config", "x", "--bf16", str(a), "--fp8", str(b), "--results",
+                        str(res), "--svg", str(tmp_path / "c.svg")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(l) for l in open(res)][-1]
+
+
+def test_report_verdicts(tmp_path):
+    base = [(0, 5.0), (50, 3.0), (100, 2.0)]
+    v = _report(tmp_path, base, [(0, 5.0), (50, 3.0), (100, 2.015)])
+    assert v["within_1pct"] is True and v["diverged"] is None and abs(v["rel_diff"] - 0.0075) < 1e-9
+    v = _report(tmp_path, base, [(0, 5.0), (50, 3.0), (100, 2.04)])
+    assert v["within_1pct"] is False and v["diverged"] is None
+    v = _report(tmp_path, base, [(0, 5.0), (50, 2.0), (100, 2.5)])  # climbed 25% above its minimum
+    assert "above its minimum" in v["diverged"]
+    v = _report(tmp_path, base, base, fp8_train=[(1, 3.0), (2, float("nan"))])
+    assert v["diverged"] == "non-finite loss"
