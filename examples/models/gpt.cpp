@@ -55,8 +55,13 @@ GptMlpImpl::GptMlpImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn
 
 at::Tensor GptMlpImpl::forward(const at::Tensor& x, const at::Tensor& residual, bool compute_output) {
   bmt::nn::Linear fc = c_fc.dense(), proj = c_proj.dense();
-  if (fc && proj && (fc->fp8 || proj->fp8))  // FP8 GEMMs, GELU and the residual add separate (no epilogues yet)
-    return residual + proj->forward(at::gelu(fc->forward(x), "tanh"));
+  if (fc && proj && (fc->fp8 || proj->fp8)) {  // FP8 GEMMs, GELU and the residual add separate (no epilogues yet)
+    const at::Tensor h = at::gelu(fc->forward(x), "tanh");
+    if (compute_output || !proj->fp8) return residual + proj->forward(h);
+    // the recompute's tail: c_proj's node without its GEMM (the add stays: it carries the residual's gradient)
+    return residual + bmt::nn::fp8_linear(h, bmt::gathered(proj->weight), bmt::gathered(proj->bias),
+                                          bmt::nn::fp8_grad_format(), bmt::nn::fp8_scaling(), false);
+  }
   if (fc && proj)
     return bmt::nn::gelu_mlp(x, bmt::gathered(fc->weight), bmt::gathered(fc->bias), bmt::gathered(proj->weight),
                              bmt::gathered(proj->bias), residual, compute_output);

@@ -6,7 +6,8 @@ torch's ops the output is `x + F.linear(h, w_proj, b_proj)`: in the recompute th
 forward FLOPs, ~6% of a checkpointed 1.3B step) computes values nobody reads.
 
 While a recompute runs (and the switch is on), a routed F.linear with a bias returns its output *deferred*: the
-autograd node without the GEMM (_C.nn.linear_deferred, or linear_after_gelu(compute=False)), its values NaN.
+autograd node without the GEMM (_C.nn.linear_deferred, linear_after_gelu(compute=False) or, routed to FP8,
+fp8_linear(compute=False)), its values NaN.
 Every later call the routing mode sees that takes a deferred tensor first computes it (_C.nn.linear_fill: the same
 GEMM), except an addition of two tensors, whose result is deferred in turn (computed on the NaNs now, computed
 again from its operands if it is used). When the Block's run ends, a deferred tensor that is one of the
@@ -75,9 +76,16 @@ def _key_of(t):
     return id(t) if e is not None and e.ref() is t else None
 
 
-def defer_linear(x, w, b, y):
-    """Registers y, a routed linear's deferred output (x, w, b: what linear_fill needs)."""
-    _deferred[id(y)] = _Entry(y, lambda out: _C.nn.linear_fill(x, w, b, out))
+def _fp8_fill(x, w, b, out):
+    with torch.no_grad():  # the FP8 forward the first run computed (same casts, same GEMM)
+        out.copy_(_C.nn.fp8_linear(x, w, b, None))
+
+
+def defer_linear(x, w, b, y, fp8=False):
+    """Registers y, a routed linear's deferred output (x, w, b: what linear_fill, or with fp8 the FP8 forward,
+    needs to compute it)."""
+    _deferred[id(y)] = _Entry(y, (lambda out: _fp8_fill(x, w, b, out)) if fp8 else
+                              (lambda out: _C.nn.linear_fill(x, w, b, out)))
     counts["deferred"] += 1
 
 

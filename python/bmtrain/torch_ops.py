@@ -88,7 +88,11 @@ def _linear(args, kwargs):
         return NotImplemented
     if (fp8_on() and (not _fp8_excluded or getattr(_tls, "module", None) not in _fp8_excluded)
             and _C.nn.fp8_linear_applies(x, w) and (b is None or b.dtype == x.dtype)):
-        _counts["fp8_linear"] += 1  # (no deferral and no GELU epilogue: the FP8 GEMMs are the point)
+        _counts["fp8_linear"] += 1  # (no GELU epilogue: the FP8 GEMMs are the point)
+        if b is not None and recompute_tail.active():  # the recompute's tail, as below: no forward GEMM
+            y = _C.nn.fp8_linear(x, w, b, None, None, False)
+            recompute_tail.defer_linear(x, w, b, y, fp8=True)
+            return y
         return _C.nn.fp8_linear(x, w, b, None)
     # in a checkpointed Block's recompute: the node without its GEMM until the output is read (recompute_tail.py)
     defer = b is not None and recompute_tail.active()

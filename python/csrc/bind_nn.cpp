@@ -78,11 +78,11 @@ void bind_nn(py::module_& m) {
       "fp8_linear",
       [opt, grad_format, scaling](const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias, const std::optional<std::string>& grad,
-                                  const std::optional<std::string>& scale_by) {
-        return bmt::nn::fp8_linear(x, weight, opt(bias), grad_format(grad), scaling(scale_by));
+                                  const std::optional<std::string>& scale_by, bool compute) {
+        return bmt::nn::fp8_linear(x, weight, opt(bias), grad_format(grad), scaling(scale_by), compute);
       },
       py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("grad_format") = py::none(),
-      py::arg("scaling") = py::none(), py::call_guard<py::gil_scoped_release>());
+      py::arg("scaling") = py::none(), py::arg("compute") = true, py::call_guard<py::gil_scoped_release>());
   nn.def("fp8_linear_applies", &bmt::nn::fp8_linear_applies, py::arg("input"), py::arg("weight"));
   nn.def("fp8_grad_format",
          [] { return std::string(bmt::nn::fp8_grad_format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2"); });

@@ -67,15 +67,21 @@ Fp8Tensor cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format, boo
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, int64_t grad_format, int64_t scaling_id,
-                            bool want_dx, bool want_dw) {
+                            bool want_dx, bool want_dw, bool compute) {
     const int64_t in = weight.size(1), out = weight.size(0);
     const auto scaling = static_cast<Fp8Scaling>(scaling_id);
     const at::Tensor x2 = x.contiguous().view({-1, in});
-    const Fp8Tensor xq = cast_as(scaling, x2, Fp8Format::kE4M3, true, want_dw);
-    const Fp8Tensor wq = cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
-    // (the fused bias was cleared of the CUBLAS_STATUS_NOT_SUPPORTED of 81f1cd3 by the session-13 probe on an H200)
-    const at::Tensor y =
-        scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), /*fast_accum=*/true, bias);
+    // compute = false (a recompute's tail): no forward GEMM, so neither x's row-major bytes nor W's cast
+    Fp8Tensor xq;
+    if (compute || want_dw) xq = cast_as(scaling, x2, Fp8Format::kE4M3, compute, want_dw);
+    at::Tensor y;
+    if (compute) {
+      const Fp8Tensor wq = cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
+      // (the fused bias was cleared of the CUBLAS_STATUS_NOT_SUPPORTED of 81f1cd3 by the session-13 probe on an H200)
+      y = scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), /*fast_accum=*/true, bias);
+    } else {
+      y = deferred_output({x2.size(0), out}, x.options());
+    }
     ctx->save_for_backward({want_dw ? xq.data_t : at::Tensor(), want_dw ? xq.inv_scale_t() : at::Tensor(),
                             want_dx ? weight : at::Tensor()});
     ctx->saved_data["grad_format"] = grad_format;
@@ -108,7 +114,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
       if (want_dw) dw = scaled_mm(dyq.data_t, dyq.inv_scale_t(), xt8, x_inv, w_dtype, false);
     }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = column_sum(dy2, w_dtype);
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -191,19 +197,19 @@ bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8Format grad_format,
-                      Fp8Scaling scaling) {
+                      Fp8Scaling scaling, bool compute_output) {
   BMT_CHECK(weight.defined() && weight.dim() == 2, "nn::fp8_linear: needs a 2-D weight");
   BMT_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "nn::fp8_linear: input ", x.sizes(),
             " does not match weight ", weight.sizes());
   BMT_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), "nn::fp8_linear: bias ",
             bias.sizes(), " does not match weight ", weight.sizes());
   if (!fp8_linear_applies(x, weight) || (bias.defined() && bias.scalar_type() != x.scalar_type()))
-    return linear(x, weight, bias);
+    return compute_output ? linear(x, weight, bias) : linear_deferred(x, weight, bias);
   // (what the backward will need, known here: inside the Function's forward grad mode is off)
   const bool grad = at::GradMode::is_enabled();
   return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
                             static_cast<int64_t>(grad_format), static_cast<int64_t>(scaling),
-                            grad && x.requires_grad(), grad && weight.requires_grad());
+                            grad && x.requires_grad(), grad && weight.requires_grad(), compute_output);
 }
 
 Fp8Format fp8_grad_format() { return g_grad_format.get(); }

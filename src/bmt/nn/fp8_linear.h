@@ -28,8 +28,12 @@ enum class Fp8Format { kE4M3, kE5M2 };
 enum class Fp8Scaling { kTensor, kRow };
 
 // y = x weight^T + bias (bias may be undefined) with FP8 GEMMs; grad_format: the gradient dy's format.
+// compute_output = false (a checkpointed Block's recompute whose output only roots the backward,
+// skip_block_outputs_now()): y is left uncomputed (NaN), no forward GEMM and no weight cast; node and gradients
+// are the same.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = at::Tensor(),
-                      Fp8Format grad_format = Fp8Format::kE5M2, Fp8Scaling scaling = Fp8Scaling::kTensor);
+                      Fp8Format grad_format = Fp8Format::kE5M2, Fp8Scaling scaling = Fp8Scaling::kTensor,
+                      bool compute_output = true);
 // Whether fp8_linear takes the FP8 path for these operands (else it is nn::linear).
 bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
 

@@ -196,5 +196,49 @@ def fp8_exclude_keeps_blocks_as_written():
                   must_mention=("Blocks or modules",))
 
 
+class _Mlp(bmt.DistributedModule):
+    """x + F.linear(gelu(F.linear(x, w1, b1)), w2, b2): the Block's output is the sum, the recompute's tail."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = bmt.DistributedParameter(torch.empty(OUT, IN), init_method=lambda t: t.normal_(0, 0.1))
+        self.b1 = bmt.DistributedParameter(torch.empty(OUT), init_method=lambda t: t.normal_(0, 0.1))
+        self.w2 = bmt.DistributedParameter(torch.empty(IN, OUT), init_method=lambda t: t.normal_(0, 0.1))
+        self.b2 = bmt.DistributedParameter(torch.empty(IN), init_method=lambda t: t.normal_(0, 0.1))
+
+    def forward(self, x):
+        return x + F.linear(F.gelu(F.linear(x, self.w1, self.b1), approximate="tanh"), self.w2, self.b2)
+
+
+@case
+def fp8_recompute_tail_skips_the_last_gemm():
+    """BMT_RECOMPUTE_SKIP_TAIL with routed FP8 linears: in each checkpointed Block's recompute the output's FP8
+    linear is deferred and never computed (no forward GEMM, no weight cast; every routed linear of the recompute is
+    deferred, the first one computed when the GELU reads it), the output,
+    the input's and every parameter's gradient equal those of the same run with the skip off, bit for bit."""
+    from bmtrain import recompute_tail as rt
+    results = {}
+    for skip in (False, True):
+        torch.manual_seed(7)
+        lst = bmt.TransformerBlockList([bmt.Block(_Mlp(), use_checkpoint=True) for _ in range(2)])
+        bmt.init_parameters(lst)
+        prev = rt.set_enabled(skip)
+        rt.counts.update(deferred=0, skipped=0)
+        try:
+            with bmt.torch_ops.fp8(True):
+                x = rank_input(rank(), ROWS, IN, seed=51, requires_grad=True)
+                y = lst(x)
+                (y * rank_input(rank(), ROWS, IN, seed=52)).sum().backward()
+        finally:
+            rt.set_enabled(prev)
+        counts = dict(rt.counts)
+        want = {"deferred": 4, "skipped": 2} if skip else {"deferred": 0, "skipped": 0}
+        if counts != want:
+            raise AssertionError(f"skip {skip}: deferred/skipped {counts}, want {want}")
+        results[skip] = [y.detach(), x.grad] + [full_grad(p, n) for n, p in lst.named_parameters()]
+    for i, (a, b) in enumerate(zip(results[False], results[True])):
+        assert_equal(f"value {i} with the tail skipped", b, a)
+
+
 if __name__ == "__main__":
     main()
