@@ -111,11 +111,9 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
   [ "$#" -eq 0 ] && CONFIGS=(1p3b 6p7b_ckpt)
   for cfg in "${CONFIGS[@]}"; do
     shape_of "$cfg" || exit 2
-    run_one "bmtpy_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P
-    run_one "bmtpy_fp8_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P --fp8
+    # (the comparison first: the engine bf16 / FP8 and FSDP2 + torchao; the budget cuts the rest first)
     run_one "bmt_$cfg" bmt "$CANON" "$BIN" --framework bmt $C
     run_one "bmt_fp8_$cfg" bmt "$CANON" "$BIN" --framework bmt $C --fp8
-    run_one "bmt_fp8row_$cfg" bmt "$CANON" env BMT_FP8_SCALING=row "$BIN" --framework bmt $C --fp8
     if python3 -c "import torchao" 2>/dev/null; then
       run_one "fsdp2_fp8_$cfg" py "$CANON" "${PY[@]}" --framework fsdp2 $P --fp8
       run_one "fsdp2_fp8_compile_$cfg" py "$CANON" "${PY[@]}" --framework fsdp2 $P --fp8 --compile
@@ -123,6 +121,9 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
       echo "[torchops_bench] torchao not importable (scripts/prepare_device_deps.sh puts its wheel in .deps/wheels):" \
         "no FSDP2 + torchao rows"
     fi
+    run_one "bmtpy_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P
+    run_one "bmtpy_fp8_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P --fp8
+    run_one "bmt_fp8row_$cfg" bmt "$CANON" env BMT_FP8_SCALING=row "$BIN" --framework bmt $C --fp8
   done
   CONFIGS=()
   TORCHOPS_ABLATE=0 TORCHOPS_COMPILE=0
