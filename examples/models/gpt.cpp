@@ -99,11 +99,9 @@ Gpt::Gpt(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarT
     bmt::nn::TpScope scope = tp.scope("layers." + std::to_string(i));
     GptLayer layer(config_, dtype, scope);
     if (parallel.fp8) {
-      for (const bmt::nn::PlannedLinear* l : {&layer->attn->c_attn, &layer->attn->c_proj, &layer->mlp->c_fc,
-                                              &layer->mlp->c_proj}) {
-        BMT_CHECK(l->dense(), "Gpt: FP8 linears need tensor-parallel size 1 (", l->name(), " is split over tp)");
-        l->dense()->fp8 = true;
-      }
+      for (bmt::nn::PlannedLinear* l : {&layer->attn->c_attn, &layer->attn->c_proj, &layer->mlp->c_fc,
+                                              &layer->mlp->c_proj})
+        l->set_fp8(true);  // dense, or this rank's GEMM of a column- / row-parallel layer
     }
     scope.finish(*layer);  // LayerNorms and row-parallel biases replicated, before the Block packs them
     return bmt::make_block(layer.ptr(), block_options);

@@ -42,19 +42,19 @@ void bind_tp(py::module_& m) {
   tp.def(
       "column_parallel_linear",
       [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, bool gather_input,
-         bool gather_output, int64_t chunks) {
-        return nn::column_parallel_linear(x, w, opt(b), gather_input, gather_output, chunks);
+         bool gather_output, int64_t chunks, bool fp8) {
+        return nn::column_parallel_linear(x, w, opt(b), gather_input, gather_output, chunks, fp8);
       },
       py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("gather_input"), py::arg("gather_output"),
-      py::arg("overlap_chunks") = 0, release);
+      py::arg("overlap_chunks") = 0, py::arg("fp8") = false, release);
   tp.def(
       "row_parallel_linear",
       [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, bool split_input,
-         bool all_reduce_output, int64_t chunks) {
-        return nn::row_parallel_linear(x, w, opt(b), split_input, all_reduce_output, chunks);
+         bool all_reduce_output, int64_t chunks, bool fp8) {
+        return nn::row_parallel_linear(x, w, opt(b), split_input, all_reduce_output, chunks, fp8);
       },
       py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("split_input"), py::arg("all_reduce_output"),
-      py::arg("overlap_chunks") = 0, release);
+      py::arg("overlap_chunks") = 0, py::arg("fp8") = false, release);
   tp.def("vocab_parallel_lookup", &nn::vocab_parallel_lookup, py::arg("ids"), py::arg("weight"),
          py::arg("sequence_parallel"), release);
   tp.def("vocab_parallel_lookup_replicated_ids", &nn::vocab_parallel_lookup_replicated_ids, py::arg("ids"),

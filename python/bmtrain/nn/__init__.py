@@ -109,11 +109,13 @@ class ColumnParallelLinear(DistributedModule):
     gather_input=True, async_gather_chunks=2): weight (out/tp, in) and bias (out/tp) split over the tensor-parallel
     group. gather_input: the input's rows are split over tp (sequence parallel) and all-gathered first (the output
     has tp times the rows); else the input is replicated. gather_output: all tp ranks' output features, else this
-    rank's out/tp. The forward is the C++ layer's (nn::column_parallel_linear)."""
+    rank's out/tp. The forward is the C++ layer's (nn::column_parallel_linear). Keyword-only extra (not in
+    BMTrain): fp8=True runs this rank's GEMM in FP8 (fp8_linear; the attribute may change between steps)."""
 
     def __init__(self, in_features, out_features, bias=True, dtype=None, gather_output=False, gather_input=True,
-                 async_gather_chunks=2):
+                 async_gather_chunks=2, *, fp8=False):
         super().__init__()
+        self.fp8 = bool(fp8)
         self.in_features, self.out_features = in_features, out_features
         self.out_features_per_partition = _split_size(out_features, "out_features", "ColumnParallelLinear")
         self.gather_output, self.gather_input = gather_output, gather_input
@@ -127,7 +129,7 @@ class ColumnParallelLinear(DistributedModule):
 
     def forward(self, input):
         return _tp.column_parallel_linear(input, self.weight, self.bias, self.gather_input, self.gather_output,
-                                          _overlap(self.async_gather_chunks))
+                                          _overlap(self.async_gather_chunks), self.fp8)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -141,11 +143,13 @@ class RowParallelLinear(DistributedModule):
     the rows split over tp: the rows are all-gathered and this rank keeps its feature slice. Output rows
     reduce-scattered over tp (sequence parallel), or all-reduced with all_reduce_output. The bias's gradient copies
     are combined over tp (summed for a reduce-scattered output, averaged for an all-reduced one), so they equal the
-    unsplit layer's and never diverge. The forward is the C++ layer's (nn::row_parallel_linear)."""
+    unsplit layer's and never diverge. The forward is the C++ layer's (nn::row_parallel_linear). Keyword-only extra
+    (not in BMTrain): fp8=True runs this rank's GEMM in FP8 (fp8_linear; the attribute may change between steps)."""
 
     def __init__(self, in_features, out_features, bias=True, dtype=None, split_input=False, all_reduce_output=False,
-                 async_chunks=2):
+                 async_chunks=2, *, fp8=False):
         super().__init__()
+        self.fp8 = bool(fp8)
         self.in_features, self.out_features = in_features, out_features
         self.in_features_per_partition = _split_size(in_features, "in_features", "RowParallelLinear")
         self.split_input, self.all_reduce_output = split_input, all_reduce_output
@@ -160,7 +164,7 @@ class RowParallelLinear(DistributedModule):
 
     def forward(self, input):
         return _tp.row_parallel_linear(input, self.weight, self.bias, bool(self.split_input),
-                                       bool(self.all_reduce_output), _overlap(self.async_chunks))
+                                       bool(self.all_reduce_output), _overlap(self.async_chunks), self.fp8)
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -44,7 +44,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, bool
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   return column_parallel_linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), gather_input,
-                                gather_output, tp::overlap_chunks());
+                                gather_output, tp::overlap_chunks(), fp8);
 }
 
 at::Tensor ColumnParallelLinearImpl::input_of(const at::Tensor& x) const {
@@ -52,7 +52,7 @@ at::Tensor ColumnParallelLinearImpl::input_of(const at::Tensor& x) const {
 }
 
 at::Tensor ColumnParallelLinearImpl::forward_input(const at::Tensor& input) {
-  at::Tensor y = nn::linear(input, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor());
+  at::Tensor y = local_linear(input, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), fp8);
   return gather_output ? tp::gather_last_dim(y) : y;
 }
 
@@ -81,7 +81,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, bool with_
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   return row_parallel_linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), split_input,
-                             all_reduce_output, tp::overlap_chunks());
+                             all_reduce_output, tp::overlap_chunks(), fp8);
 }
 
 void RowParallelLinearImpl::pretty_print(std::ostream& os) const {

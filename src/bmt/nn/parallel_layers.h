@@ -48,6 +48,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   void pretty_print(std::ostream& os) const override;
   int64_t in_features, out_features, out_features_per_partition, split_groups;
   bool gather_output, gather_input;
+  bool fp8 = false;  // this rank's GEMM in FP8 (nn::fp8_linear; tp_layer_ops.h), set before training
   at::Tensor weight, bias;
 };
 TORCH_MODULE(ColumnParallelLinear);
@@ -61,6 +62,7 @@ class RowParallelLinearImpl : public torch::nn::Module {
   void pretty_print(std::ostream& os) const override;
   int64_t in_features, out_features, in_features_per_partition;
   bool split_input, all_reduce_output;
+  bool fp8 = false;  // this rank's GEMM in FP8 (nn::fp8_linear; tp_layer_ops.h), set before training
   at::Tensor weight, bias;
 };
 TORCH_MODULE(RowParallelLinear);

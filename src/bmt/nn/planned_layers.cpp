@@ -48,6 +48,13 @@ at::Tensor PlannedLinear::forward(const at::Tensor& x) {
   return dense_->forward(x);
 }
 
+void PlannedLinear::set_fp8(bool on) {
+  BMT_CHECK(dense_ || column_ || row_, "nn::PlannedLinear: empty handle; build it with TpScope::linear");
+  if (dense_) dense_->fp8 = on;
+  if (column_) column_->fp8 = on;
+  if (row_) row_->fp8 = on;
+}
+
 at::Tensor PlannedLinear::input_of(const at::Tensor& x) const { return column_ ? column_->input_of(x) : x; }
 
 at::Tensor PlannedLinear::forward_input(const at::Tensor& input) {

@@ -45,6 +45,8 @@ class PlannedLinear {
   // The dense Linear when the style is replicated (tp_size 1 or a replicated plan entry), else an empty holder:
   // what a caller fusing this layer with its neighbours (nn::gelu_mlp, nn::linear_residual) needs.
   Linear dense() const { return dense_; }
+  // FP8 GEMMs for whichever layer the plan built (Linear::fp8, ColumnParallelLinear::fp8, RowParallelLinear::fp8).
+  void set_fp8(bool on);
 
  private:
   friend class TpScope;

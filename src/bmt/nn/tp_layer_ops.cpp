@@ -2,6 +2,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/runtime/init.h"
+#include "bmt/nn/fp8_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/tp_ops.h"
 #include "bmt/nn/tp_overlap.h"
@@ -32,30 +33,34 @@ bool overlapped(int64_t chunks) { return chunks > 0 && config().tp_size > 1; }
 
 }  // namespace
 
+at::Tensor local_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8) {
+  return fp8 ? fp8_linear(x, weight, bias, fp8_grad_format(), fp8_scaling()) : linear(x, weight, bias);
+}
+
 at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                                  bool gather_input, bool gather_output, int64_t overlap_chunks) {
+                                  bool gather_input, bool gather_output, int64_t overlap_chunks, bool fp8) {
   check_features("ColumnParallelLinear", x, weight);
   at::Tensor y;
-  if (gather_input && overlapped(overlap_chunks))  // the all-gather overlapped with the GEMM
+  if (gather_input && overlapped(overlap_chunks) && !fp8)  // the all-gather overlapped with the GEMM
     y = tp::gather_rows_linear(x, weight, bias, overlap_chunks);
   else
-    y = linear(gather_input ? tp::gather_rows(x) : tp::copy_to_tp(x), weight, bias);
+    y = local_linear(gather_input ? tp::gather_rows(x) : tp::copy_to_tp(x), weight, bias, fp8);
   return gather_output ? tp::gather_last_dim(y) : y;
 }
 
 at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                               bool split_input, bool all_reduce_output, int64_t overlap_chunks) {
+                               bool split_input, bool all_reduce_output, int64_t overlap_chunks, bool fp8) {
   BMT_CHECK(weight.defined() && weight.dim() == 2, "RowParallelLinear: the weight must be a 2-dim tensor");
   at::Tensor input = split_input ? split_input_rows("RowParallelLinear", x, weight.size(1)) : x;
   check_features("RowParallelLinear", input, weight,
                  split_input ? "" : " = in_features / tp_size (pass split_input=true for inputs with all features)");
   at::Tensor y;
-  if (!all_reduce_output && overlapped(overlap_chunks))
+  if (!all_reduce_output && overlapped(overlap_chunks) && !fp8)
     y = tp::linear_reduce_scatter_rows(input, weight, overlap_chunks);  // chunked GEMM + reduce-scatter, overlapped
   else if (all_reduce_output)
-    y = tp::reduce_from_tp(at::linear(input, weight));
+    y = tp::reduce_from_tp(fp8 ? local_linear(input, weight, {}, true) : at::linear(input, weight));
   else
-    y = tp::reduce_scatter_rows(at::linear(input, weight));
+    y = tp::reduce_scatter_rows(fp8 ? local_linear(input, weight, {}, true) : at::linear(input, weight));
   return bias.defined() ? y + bias : y;
 }
 
