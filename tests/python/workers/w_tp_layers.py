@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import bmtrain as bmt
 from bmtrain import _C
-from common import assert_close, case, device, expect_raises, main, randn
+from common import assert_close, assert_equal, case, device, expect_raises, main, randn
 from tp_util import logical_grad
 
 R, IN, HID, OUT = 4, 6, 8, 5  # rows per tp rank
@@ -81,6 +81,35 @@ def column_parallel_linear():
                 assert_close(f"{what}: input grad", x.grad, rows(gx, tp, r) if gather_input else gx)
                 check_param_grads(layer, want, what)
     _C.tp.set_overlap_chunks(0)
+
+
+@case
+def fp8_column_and_row_layers():
+    """fp8=True (keyword-only, not in BMTrain): each rank's GEMM is bmt.nn.fp8_linear on its piece, bit for bit
+    (the column layer on the gathered rows, the row layer's partial products summed over tp), and not the fp32
+    product (FP8 really ran)."""
+    tp, r, dp, d = _tp()
+    rows_per, inf, hid = 16, 32, 64  # every GEMM dimension a multiple of 16 (the FP8 path's condition)
+    torch.manual_seed(9)
+    col = bmt.nn.ColumnParallelLinear(inf, hid, bias=True, dtype=torch.float32, fp8=True)
+    row = bmt.nn.RowParallelLinear(hid, inf, bias=True, dtype=torch.float32, fp8=True)
+    bmt.init_parameters(col)
+    bmt.init_parameters(row)
+    X = randn(tp * rows_per, inf, seed=60 + d)
+    with torch.no_grad():
+        h = col(rows(X, tp, r))
+        assert_equal("fp8 column output", h, bmt.nn.fp8_linear(X, col.weight, col.bias))
+        y = row(h)
+        parts = bmt.distributed.all_gather(bmt.nn.fp8_linear(h, row.weight).contiguous(), bmt.config["tp_comm"])
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        assert_equal("fp8 row output", y, rows(total, tp, r) + row.bias)
+        col.fp8 = row.fp8 = False
+        y32 = row(col(rows(X, tp, r)))
+    rel = float((y32 - y).abs().max() / y32.abs().max())
+    if not 1e-4 < rel < 0.2:
+        raise AssertionError(f"fp8 vs fp32 TP layers: relative difference {rel}")
 
 
 @case
