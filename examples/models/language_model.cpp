@@ -199,7 +199,6 @@ double LanguageModel::train_flops_per_token(int64_t seq) {
 
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& config, const ParallelOptions& parallel,
                                           at::ScalarType dtype) {
-  BMT_CHECK(!parallel.fp8 || config.arch == "gpt", "model: FP8 linears (--fp8) exist for gpt only, not ", config.arch);
   if (config.arch == "llama") return std::make_shared<Llama>(config, parallel, dtype);
   BMT_CHECK(config.arch == "gpt", "model: unknown architecture '", config.arch, "' (expected gpt or llama)");
   return std::make_shared<Gpt>(config, parallel, dtype);

@@ -29,7 +29,7 @@ std::string train_usage() {
                       B must be a multiple of M); --pp-schedule 1f1b|gpipe
   --dtype D           parameter dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
   --checkpointing     recompute each block's forward in backward
-  --fp8               FP8 GEMMs in the transformer layers' linears (gpt, any tp; E4M3 forward, gradients E5M2 or
+  --fp8               FP8 GEMMs in the transformer layers' linears (gpt, llama, any tp; E4M3 forward, gradients E5M2 or
                       BMT_FP8_GRAD=e4m3; per-tensor dynamic scales); embeddings and the LM head stay --dtype
   --cuda-graphs       capture the forward + backward (ZeRO gathers and reductions included) as a CUDA graph
                       after 2 eager steps and replay it (bmt::CudaGraphStep; the optimizer step stays eager);

@@ -1,5 +1,6 @@
 // FP8 linears in the example GPT (ParallelOptions::fp8, train_gpt --fp8): the tiny preset learns on 2 CPU ranks
-// over Gloo with ZeRO-3, with and without activation checkpointing (the recompute repeats the casts), the loss
+// over Gloo with ZeRO-3, with and without activation checkpointing (the recompute repeats the casts), at tp 2, and
+// the tiny Llama with checkpointing, the loss
 // finite throughout; fp8 off is today's model bit for bit and fp8 on changes the layers' GEMMs only within FP8's
 // rounding. On CPU the GEMMs are torch's CPU _scaled_mm and the casts our kernels' CPU twin.
 #include <gtest/gtest.h>
@@ -48,6 +49,25 @@ TEST(Fp8Training, TinyGptLearnsOnTwoRanks) {
 
 TEST(Fp8Training, TinyGptLearnsOnTwoRanksWithCheckpointing) {
   bmt::testing::run_ranks(2, [] { expect_learns(examples::run_training(fp8_args(true))); });
+}
+
+TEST(Fp8Training, TinyGptLearnsAtTensorParallelSizeTwo) {  // each rank's GEMM of the column/row-parallel layers
+  bmt::InitOptions init = bmt::testing::test_init();
+  init.tp_size = 2;
+  init.sequence_parallel = true;
+  bmt::testing::run_ranks(2, [] {
+    examples::TrainArgs a = fp8_args(false);
+    a.tp = 2;
+    expect_learns(examples::run_training(a));
+  }, init);
+}
+
+TEST(Fp8Training, TinyLlamaLearnsOnTwoRanks) {
+  bmt::testing::run_ranks(2, [] {
+    examples::TrainArgs a = fp8_args(true);
+    a.model = "llama";
+    expect_learns(examples::run_training(a));
+  });
 }
 
 TEST(Fp8Training, OffIsTodaysModelAndOnStaysWithinFp8Rounding) {
