@@ -98,7 +98,7 @@ Gpt::Gpt(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarT
   auto make_layer = [&](int64_t i) {
     bmt::nn::TpScope scope = tp.scope("layers." + std::to_string(i));
     GptLayer layer(config_, dtype, scope);
-    if (parallel.fp8) {
+    if (fp8_layer(parallel, i, config_.num_layers)) {
       for (bmt::nn::PlannedLinear* l : {&layer->attn->c_attn, &layer->attn->c_proj, &layer->mlp->c_fc,
                                               &layer->mlp->c_proj})
         l->set_fp8(true);  // dense, or this rank's GEMM of a column- / row-parallel layer

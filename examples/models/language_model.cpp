@@ -197,6 +197,16 @@ double LanguageModel::train_flops_per_token(int64_t seq) {
          12.0 * static_cast<double>(c.num_layers) * static_cast<double>(c.dim) * static_cast<double>(seq);
 }
 
+bool fp8_layer(const ParallelOptions& parallel, int64_t layer, int64_t num_layers) {
+  bool keep = false;
+  for (int64_t i : parallel.fp8_bf16_layers) {
+    BMT_CHECK(i >= -num_layers && i < num_layers, "model: fp8_bf16_layers (--fp8-bf16-layers) names layer ", i,
+              ", but the model has ", num_layers, " layers (use 0..", num_layers - 1, ", or -1 for the last)");
+    keep = keep || (i < 0 ? i + num_layers : i) == layer;
+  }
+  return parallel.fp8 && !keep;
+}
+
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& config, const ParallelOptions& parallel,
                                           at::ScalarType dtype) {
   if (config.arch == "llama") return std::make_shared<Llama>(config, parallel, dtype);

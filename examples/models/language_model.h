@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "bmt/nn/planned_layers.h"
 #include "bmt/pipeline/pipeline.h"
@@ -58,9 +59,12 @@ struct ParallelOptions {
       : zero_level(zero), checkpointing(checkpoint), tp_plan(std::move(plan)) {}
   int zero_level = 3;          // 2 or 3, for every Block
   bool checkpointing = false;  // recompute each layer's forward in backward
-  // FP8 GEMMs in every transformer layer's linears (nn::Linear::fp8; gpt at tp_size 1 only for now): q/k/v, the
-  // attention output and the MLP. Embeddings and the LM head stay in the parameter dtype.
+  // FP8 GEMMs in every transformer layer's linears (gpt and llama, any tp: PlannedLinear::set_fp8): q/k/v, the
+  // attention output and the MLP. Embeddings and the LM head stay in the parameter dtype, and so do the layers
+  // listed in fp8_bf16_layers (indices; negative ones count from the end, -1 the last), e.g. {0, -1} for the first
+  // and last layers, which FP8 recipes often keep in bf16. Default: none (every layer FP8, as measured).
   bool fp8 = false;
+  std::vector<int64_t> fp8_bf16_layers;
   // The tensor-parallel layout; unset: the architecture's plan (gpt_tp_plan / llama_tp_plan) with
   // bmt::config().sequence_parallel. Ignored at tp_size 1 except for its validation.
   std::optional<bmt::nn::TpPlan> tp_plan;
@@ -148,6 +152,10 @@ class LanguageModel : public torch::nn::Module {
 
 // Builds the model of config.arch with parameters of `dtype` on bmt::config().device (uninitialised: call
 // bmt::init_parameters(*model) afterwards).
+// Whether transformer layer `layer` of `num_layers` runs its linears in FP8 (parallel.fp8, not in fp8_bf16_layers).
+// Throws naming the index when fp8_bf16_layers holds one outside [-num_layers, num_layers).
+bool fp8_layer(const ParallelOptions& parallel, int64_t layer, int64_t num_layers);
+
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& config, const ParallelOptions& parallel,
                                           at::ScalarType dtype);
 

@@ -86,7 +86,7 @@ Llama::Llama(const ModelConfig& config, const ParallelOptions& parallel, at::Sca
   auto make_layer = [&](int64_t i) {
     bmt::nn::TpScope scope = tp.scope("layers." + std::to_string(i));
     LlamaLayer layer(config_, dtype, scope);
-    if (parallel.fp8) {  // every linear of the layer; embeddings and the output head stay in dtype
+    if (fp8_layer(parallel, i, config_.num_layers)) {  // every linear of the layer; embeddings and the output head stay in dtype
       for (bmt::nn::PlannedLinear* l : {&layer->attention->wq, &layer->attention->wk, &layer->attention->wv,
                                         &layer->attention->wo, &layer->feed_forward->w1, &layer->feed_forward->w2,
                                         &layer->feed_forward->w3})

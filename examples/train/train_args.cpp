@@ -31,6 +31,8 @@ std::string train_usage() {
   --checkpointing     recompute each block's forward in backward
   --fp8               FP8 GEMMs in the transformer layers' linears (gpt, llama, any tp; E4M3 forward, gradients E5M2 or
                       BMT_FP8_GRAD=e4m3; per-tensor dynamic scales); embeddings and the LM head stay --dtype
+  --fp8-bf16-layers L layers whose linears stay --dtype under --fp8: comma-separated indices, negative from the
+                      end (e.g. 0,-1: the first and the last); default none
   --cuda-graphs       capture the forward + backward (ZeRO gathers and reductions included) as a CUDA graph
                       after 2 eager steps and replay it (bmt::CudaGraphStep; the optimizer step stays eager);
                       not with --pp; eager on CPUs (a notice). Default on for one GPU (world 1, no --pp);
@@ -113,6 +115,15 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       {"--samples", i64(a.samples)}, {"--sample-tokens", i64(a.sample_tokens)}, {"--top-k", i64(a.top_k)},
       {"--export-hf", str(a.export_hf)}, {"--init-from", str(a.init_from)}, {"--dtype", str(a.dtype)},
       {"--seed", [&](const std::string& n, const std::string& v) { a.seed = static_cast<uint64_t>(to_i64(n, v)); }},
+      {"--fp8-bf16-layers",
+       [&](const std::string& n, const std::string& v) {
+         a.fp8_bf16_layers.clear();
+         for (size_t start = 0; start <= v.size();) {
+           const size_t comma = std::min(v.find(',', start), v.size());
+           a.fp8_bf16_layers.push_back(to_i64(n, v.substr(start, comma - start)));
+           start = comma + 1;
+         }
+       }},
   };
   std::map<std::string, std::string> given;  // option -> value as typed, for the range checks below
   for (int i = 1; i < argc; ++i) {
@@ -191,6 +202,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
             a.pp_schedule, "'");
   BMT_CHECK(a.dtype == "auto" || a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be auto, fp32 or bf16, got '",
             a.dtype, "'");
+  BMT_CHECK(a.fp8 || a.fp8_bf16_layers.empty(), "--fp8-bf16-layers chooses layers kept out of FP8; it needs --fp8");
   BMT_CHECK(a.model == "gpt" || a.model == "llama", "--model must be gpt or llama, got '", a.model, "'");
   BMT_CHECK(a.progress == "auto" || a.progress == "bar" || a.progress == "lines" || a.progress == "off",
             "--progress must be auto, bar, lines or off, got '", a.progress, "'");

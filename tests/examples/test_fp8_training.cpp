@@ -13,6 +13,7 @@
 #include "bmt/runtime/distributed.h"
 #include "models/gpt.h"
 #include "run_ranks.h"
+#include "train/train_args.h"
 #include "train/trainer.h"
 
 namespace {
@@ -68,6 +69,45 @@ TEST(Fp8Training, TinyLlamaLearnsOnTwoRanks) {
     a.model = "llama";
     expect_learns(examples::run_training(a));
   });
+}
+
+TEST(Fp8Training, LayersListedInFp8Bf16LayersStayInTheParameterDtype) {
+  bmt::testing::run_ranks(1, [] {
+    examples::ModelConfig c;
+    c.num_layers = 4, c.dim = 64, c.num_heads = 4, c.ffn_dim = 256, c.vocab_size = 32, c.max_seq_len = 16;
+    examples::ParallelOptions p(3, false);
+    p.fp8 = true;
+    p.fp8_bf16_layers = {0, -1};
+    examples::Gpt model(c, p, at::kFloat);
+    int fp8_on = 0, fp8_off = 0;
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+      auto* lin = dynamic_cast<bmt::nn::LinearImpl*>(item.value().get());
+      if (!lin || item.key().rfind("layers.", 0) != 0) continue;
+      const bool kept = item.key().rfind("layers.0.", 0) == 0 || item.key().rfind("layers.3.", 0) == 0;
+      EXPECT_EQ(lin->fp8, !kept) << item.key();
+      (lin->fp8 ? fp8_on : fp8_off) += 1;
+    }
+    EXPECT_EQ(fp8_on, 8) << "layers 1 and 2: four linears each";
+    EXPECT_EQ(fp8_off, 8) << "layers 0 and 3 (-1)";
+    p.fp8_bf16_layers = {4};
+    EXPECT_THROW(
+        {
+          try {
+            examples::Gpt bad(c, p, at::kFloat);
+          } catch (const std::exception& e) {
+            EXPECT_NE(std::string(e.what()).find("names layer 4, but the model has 4 layers"), std::string::npos)
+                << e.what();
+            throw;
+          }
+        },
+        std::exception);
+  });
+  const char* argv[] = {"train_gpt", "--fp8", "--fp8-bf16-layers", "0,-1"};
+  EXPECT_EQ(examples::parse_train_args(4, argv).fp8_bf16_layers, (std::vector<int64_t>{0, -1}));
+  const char* bad[] = {"train_gpt", "--fp8", "--fp8-bf16-layers", "0,x"};
+  EXPECT_THROW(examples::parse_train_args(4, bad), std::exception);
+  const char* no_fp8[] = {"train_gpt", "--fp8-bf16-layers", "0"};
+  EXPECT_THROW(examples::parse_train_args(3, no_fp8), std::exception);
 }
 
 TEST(Fp8Training, OffIsTodaysModelAndOnStaysWithinFp8Rounding) {
