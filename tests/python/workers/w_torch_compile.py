@@ -8,6 +8,7 @@ from common import assert_close, case, check_twins_simple, device, load_into_ref
 from torchops_models import BLayer, RefList, TLayer
 
 DIM, HEADS, LAYERS = 32, 4, 2
+LR = 1e-2
 
 
 def _model(compiled, use_checkpoint):
@@ -32,7 +33,7 @@ def compiled_block_matches_eager():
         check_twins_simple(models[True], ref, (2, 8, DIM), what=f"compiled, checkpoint={ckpt}: ")
         managers = {}
         for c, m in models.items():
-            opt = bmt.optim.AdamOptimizer(m.parameters(), lr=1e-2)
+            opt = bmt.optim.AdamOptimizer(m.parameters(), lr=LR)
             managers[c] = bmt.optim.OptimManager(loss_scale=None)
             managers[c].add_optimizer(opt)
         for step in range(3):
@@ -44,9 +45,12 @@ def compiled_block_matches_eager():
                 managers[c].step()
                 outs[c] = y.detach()
             assert_close(f"checkpoint={ckpt} step {step}: output", outs[True], outs[False], rtol=1e-4, atol=1e-5)
+        # Adam divides by sqrt(v): an element whose gradient is near zero moves by up to lr per step whatever its
+        # size, so the fused kernels' rounding (inductor's against the engine's on GPUs) can move it by a fraction
+        # of lr; a stale-parameter bug moves the outputs above, and the parameters by many lr
         eager = dict(models[False].named_parameters())
         for n, p in models[True].named_parameters():
-            assert_close(f"checkpoint={ckpt}: trained {n}", p, eager[n], rtol=1e-4, atol=1e-5)
+            assert_close(f"checkpoint={ckpt}: trained {n}", p, eager[n], rtol=1e-4, atol=0.25 * LR)
         if sorted(models[True].state_dict()) != sorted(models[False].state_dict()):
             raise AssertionError("compiling the inner modules changed the state_dict keys")
 
