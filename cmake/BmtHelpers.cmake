@@ -47,3 +47,22 @@ endfunction()
 # "N skipped" summary.
 set(BMT_GTEST_SKIP_REGEX "\\[  SKIPPED \\]")
 set(BMT_PYTEST_SKIP_REGEX "[0-9]+ skipped")
+
+# bmt_add_pytest(NAME name FILE test_x.py LABELS cpu|multirank [TIMEOUT s] [PROCESSORS n] [ENVIRONMENT VAR=v ...])
+# One pytest file as one CTest test (timeout scaled as bmt_add_test's; pytest's skips show as Skipped).
+function(bmt_add_pytest)
+  cmake_parse_arguments(T "" "NAME;FILE;TIMEOUT;PROCESSORS" "LABELS;ENVIRONMENT" ${ARGN})
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  bmt_test_timeout(T_TIMEOUT ${T_TIMEOUT})
+  add_test(NAME ${T_NAME} COMMAND ${Python3_EXECUTABLE} -m pytest -q -p no:cacheprovider ${T_FILE})
+  set_tests_properties(${T_NAME} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
+                       SKIP_REGULAR_EXPRESSION "${BMT_PYTEST_SKIP_REGEX}")
+  if(T_PROCESSORS)
+    set_tests_properties(${T_NAME} PROPERTIES PROCESSORS ${T_PROCESSORS})
+  endif()
+  if(T_ENVIRONMENT)
+    set_tests_properties(${T_NAME} PROPERTIES ENVIRONMENT "${T_ENVIRONMENT}")
+  endif()
+endfunction()
