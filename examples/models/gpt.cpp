@@ -59,8 +59,7 @@ at::Tensor GptMlpImpl::forward(const at::Tensor& x, const at::Tensor& residual, 
     const at::Tensor h = at::gelu(fc->forward(x), "tanh");
     if (compute_output || !proj->fp8) return residual + proj->forward(h);
     // the recompute's tail: c_proj's node without its GEMM (the add stays: it carries the residual's gradient)
-    return residual + bmt::nn::fp8_linear(h, bmt::gathered(proj->weight), bmt::gathered(proj->bias),
-                                          bmt::nn::fp8_grad_format(), bmt::nn::fp8_scaling(), false);
+    return residual + bmt::nn::linear_or_fp8(h, bmt::gathered(proj->weight), bmt::gathered(proj->bias), true, false);
   }
   if (fc && proj)
     return bmt::nn::gelu_mlp(x, bmt::gathered(fc->weight), bmt::gathered(fc->bias), bmt::gathered(proj->weight),

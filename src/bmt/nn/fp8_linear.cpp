@@ -212,6 +212,12 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
                             grad && x.requires_grad(), grad && weight.requires_grad(), compute_output);
 }
 
+at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,
+                         bool compute_output) {
+  if (fp8) return fp8_linear(x, weight, bias, fp8_grad_format(), fp8_scaling(), compute_output);
+  return compute_output ? linear(x, weight, bias) : linear_deferred(x, weight, bias);
+}
+
 Fp8Format fp8_grad_format() { return g_grad_format.get(); }
 
 void set_fp8_grad_format(Fp8Format format) { g_grad_format.set(format); }

@@ -34,6 +34,10 @@ enum class Fp8Scaling { kTensor, kRow };
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = at::Tensor(),
                       Fp8Format grad_format = Fp8Format::kE5M2, Fp8Scaling scaling = Fp8Scaling::kTensor,
                       bool compute_output = true);
+// The GEMM of a layer with an FP8 switch (nn::Linear, the tensor-parallel layers): fp8_linear with the process's
+// settings (fp8_grad_format(), fp8_scaling()) when `fp8`, else nn::linear (nn::linear_deferred without the output).
+at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,
+                         bool compute_output = true);
 // Whether fp8_linear takes the FP8 path for these operands (else it is nn::linear).
 bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
 

@@ -15,7 +15,7 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, at::ScalarType d
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
   const at::Tensor b = bias.defined() ? gathered(bias) : at::Tensor();
-  return fp8 ? fp8_linear(x, gathered(weight), b, fp8_grad_format(), fp8_scaling()) : nn::linear(x, gathered(weight), b);
+  return linear_or_fp8(x, gathered(weight), b, fp8);
 }
 
 LayerNormImpl::LayerNormImpl(int64_t d, double e, at::ScalarType dtype, bool with_bias) : dim(d), eps(e) {

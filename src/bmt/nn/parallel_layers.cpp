@@ -5,6 +5,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/runtime/init.h"
+#include "bmt/nn/fp8_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/tp_layer_ops.h"
 #include "bmt/nn/tp_ops.h"
@@ -52,7 +53,7 @@ at::Tensor ColumnParallelLinearImpl::input_of(const at::Tensor& x) const {
 }
 
 at::Tensor ColumnParallelLinearImpl::forward_input(const at::Tensor& input) {
-  at::Tensor y = local_linear(input, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), fp8);
+  at::Tensor y = linear_or_fp8(input, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), fp8);
   return gather_output ? tp::gather_last_dim(y) : y;
 }
 

@@ -33,10 +33,6 @@ bool overlapped(int64_t chunks) { return chunks > 0 && config().tp_size > 1; }
 
 }  // namespace
 
-at::Tensor local_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8) {
-  return fp8 ? fp8_linear(x, weight, bias, fp8_grad_format(), fp8_scaling()) : linear(x, weight, bias);
-}
-
 at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                   bool gather_input, bool gather_output, int64_t overlap_chunks, bool fp8) {
   check_features("ColumnParallelLinear", x, weight);
@@ -44,7 +40,7 @@ at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
   if (gather_input && overlapped(overlap_chunks) && !fp8)  // the all-gather overlapped with the GEMM
     y = tp::gather_rows_linear(x, weight, bias, overlap_chunks);
   else
-    y = local_linear(gather_input ? tp::gather_rows(x) : tp::copy_to_tp(x), weight, bias, fp8);
+    y = linear_or_fp8(gather_input ? tp::gather_rows(x) : tp::copy_to_tp(x), weight, bias, fp8);
   return gather_output ? tp::gather_last_dim(y) : y;
 }
 
@@ -58,9 +54,9 @@ at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight, co
   if (!all_reduce_output && overlapped(overlap_chunks) && !fp8)
     y = tp::linear_reduce_scatter_rows(input, weight, overlap_chunks);  // chunked GEMM + reduce-scatter, overlapped
   else if (all_reduce_output)
-    y = tp::reduce_from_tp(fp8 ? local_linear(input, weight, {}, true) : at::linear(input, weight));
+    y = tp::reduce_from_tp(linear_or_fp8(input, weight, {}, fp8));  // (no bias: nn::linear is at::linear)
   else
-    y = tp::reduce_scatter_rows(fp8 ? local_linear(input, weight, {}, true) : at::linear(input, weight));
+    y = tp::reduce_scatter_rows(linear_or_fp8(input, weight, {}, fp8));
   return bias.defined() ? y + bias : y;
 }
 

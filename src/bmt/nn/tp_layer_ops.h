@@ -42,14 +42,12 @@ namespace bmt::nn {
 
 enum class TpReduce { kNone, kAllReduce, kReduceScatter };
 
-// fp8: this rank's GEMM is nn::fp8_linear (fp8_grad_format(), fp8_scaling(); per-tensor scales from this rank's
-// shard and rows), the communication unchanged and not chunked (overlap_chunks is ignored).
+// fp8: this rank's GEMM is nn::fp8_linear (nn::linear_or_fp8; per-tensor scales from this rank's shard and rows),
+// the communication unchanged and not chunked (overlap_chunks is ignored).
 at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                   bool gather_input, bool gather_output, int64_t overlap_chunks = 0, bool fp8 = false);
 at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                bool split_input, bool all_reduce_output, int64_t overlap_chunks = 0, bool fp8 = false);
-// This rank's GEMM of a tensor-parallel linear: nn::fp8_linear with the process's FP8 settings, or nn::linear.
-at::Tensor local_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8);
 at::Tensor vocab_parallel_lookup(const at::Tensor& ids, const at::Tensor& weight, bool sequence_parallel);
 at::Tensor vocab_parallel_lookup_replicated_ids(const at::Tensor& ids, const at::Tensor& weight,
                                                 bool sequence_parallel);
