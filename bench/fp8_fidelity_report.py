@@ -1,9 +1,11 @@
-"""fp8_fidelity_report.py: issue 34's loss-fidelity verdict from two train_gpt metrics files (--metrics) of the
-same run in bf16 and with --fp8. Appends to --results one row per run (framework bmt, kind fp8_fidelity, fp8,
-the held-out curve, the final held-out and training losses, tokens/s) and one comparison row (the final held-out
-losses' relative difference, whether it is within 1%, whether either run diverged: a non-finite loss, or a
-held-out loss that ends above its minimum by more than 10%), all with $BMT_CALL_ID; writes --svg, the two held-out
-curves and the training losses (a 20-step running mean) on one chart. Prints the verdict line."""
+"""fp8_fidelity_report.py: issue 34's loss-fidelity verdicts from train_gpt metrics files (--metrics) of the same
+run in bf16 (--bf16, the reference) and in variants (--fp8 PATH, or --run NAME=PATH, repeated: fp8, fp8_e4m3grad,
+fp8_ends, bf16_seed2 ... as bench/run_fp8_fidelity.sh names them). Appends to --results one row per run (framework
+bmt, kind fp8_fidelity, variant, fp8, the held-out curve, the final held-out and training losses, tokens/s) and one
+comparison row per variant against bf16 (the final held-out losses' relative difference, whether it is within 1%,
+whether either run diverged: a non-finite loss, or a held-out loss that ends above its minimum by more than 10%),
+all with $BMT_CALL_ID; writes --svg, the held-out curves and the training losses of bf16 and the first variant (a
+20-step running mean) on one chart. Prints one verdict line per variant."""
 import argparse
 import json
 import math
@@ -78,16 +80,23 @@ def svg(path, title, series):
     os.replace(tmp, path)
 
 
+COLOURS = ["#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
-    p.add_argument("--bf16", required=True)
-    p.add_argument("--fp8", required=True)
-    p.add_argument("--args", default="", help="the train_gpt arguments both runs shared")
+    p.add_argument("--bf16", required=True, help="the reference run's metrics")
+    p.add_argument("--fp8", help="shorthand for --run fp8=PATH")
+    p.add_argument("--run", action="append", default=[], metavar="NAME=PATH", help="a variant's metrics")
+    p.add_argument("--args", default="", help="the train_gpt arguments the runs shared")
     p.add_argument("--results", required=True)
     p.add_argument("--svg", required=True)
     p.add_argument("--corpus-info", default="")
     a = p.parse_args()
+    variants = ([("fp8", a.fp8)] if a.fp8 else []) + [tuple(r.split("=", 1)) for r in a.run]
+    if any(len(v) != 2 or not v[0] for v in variants):
+        p.error("--run takes NAME=PATH")
     call_id = os.environ.get("BMT_CALL_ID", "unknown")
     base = {"kind": "fp8_fidelity", "framework": "bmt", "config": a.config, "args": a.args, "call_id": call_id,
             "git_commit": os.environ.get("BMT_GIT_COMMIT", "unknown"),
@@ -95,32 +104,45 @@ def main():
     if a.corpus_info and os.path.exists(a.corpus_info):
         info = json.loads(open(a.corpus_info).read().strip().splitlines()[-1])
         base["data"] = {k: info[k] for k in ("bytes", "files", "sha256", "torch") if k in info}
-    runs = {}
-    for name, path in (("bf16", a.bf16), ("fp8", a.fp8)):
-        if not os.path.exists(path):
-            print(f"[fp8_fidelity] {a.config}: {name} run wrote no metrics ({path}); no verdict")
-            return 1
-        runs[name] = load(path)
-    rows = []
+    if not os.path.exists(a.bf16):
+        print(f"[fp8_fidelity] {a.config}: the bf16 run wrote no metrics ({a.bf16}); no verdict")
+        return 1
+    runs = {"bf16": load(a.bf16)}
+    for name, path in variants:
+        if os.path.exists(path):
+            runs[name] = load(path)
+        else:
+            print(f"[fp8_fidelity] {a.config}: {name} wrote no metrics ({path}); no verdict for it")
+    rows = {}
     for name, (evals, train, speeds) in runs.items():
-        rows.append(dict(base, fp8=name == "fp8", steps=train[-1][0], eval_curve=evals,
-                         final_eval_loss=evals[-1][1], final_train_loss_mean20=running_mean(train)[-1][1],
-                         tokens_per_s=sorted(speeds)[len(speeds) // 2] if speeds else None,
-                         diverged=diverged(evals, train) or None))
-    e16, e8 = rows[0]["final_eval_loss"], rows[1]["final_eval_loss"]
-    rel = (e8 - e16) / e16
-    verdict = dict(base, comparison="fp8_vs_bf16", steps=rows[0]["steps"], final_eval_loss_bf16=e16,
-                   final_eval_loss_fp8=e8, rel_diff=rel, within_1pct=abs(rel) <= 0.01,
-                   diverged=rows[0]["diverged"] or rows[1]["diverged"] or None)
+        rows[name] = dict(base, variant=name, fp8=name.startswith("fp8"), steps=train[-1][0], eval_curve=evals,
+                          final_eval_loss=evals[-1][1], final_train_loss_mean20=running_mean(train)[-1][1],
+                          tokens_per_s=sorted(speeds)[len(speeds) // 2] if speeds else None,
+                          diverged=diverged(evals, train) or None)
+    ref = rows["bf16"]
+    verdicts = []
+    for name, row in rows.items():
+        if name == "bf16":
+            continue
+        e16, e = ref["final_eval_loss"], row["final_eval_loss"]
+        rel = (e - e16) / e16
+        verdicts.append(dict(base, comparison=f"{name}_vs_bf16", variant=name, steps=ref["steps"],
+                             final_eval_loss_bf16=e16, final_eval_loss_variant=e, rel_diff=rel,
+                             within_1pct=abs(rel) <= 0.01, diverged=ref["diverged"] or row["diverged"] or None))
+        print(f"RESULT fidelity {a.config} {name}: steps {ref['steps']}, held-out bf16 {e16:.4f} {name} {e:.4f} "
+              f"({100 * rel:+.2f}%, within 1%: {abs(rel) <= 0.01}), diverged: {verdicts[-1]['diverged'] or 'no'}")
     with open(a.results, "a") as f:
-        for r in rows + [verdict]:
+        for r in list(rows.values()) + verdicts:
             f.write(json.dumps(r) + "\n")
-    svg(a.svg, f"{a.config}: bf16 vs FP8, same init and batches ({a.args})",
-        [("bf16 held-out", "#1f77b4", "", runs["bf16"][0]), ("FP8 held-out", "#d62728", "6 3", runs["fp8"][0]),
-         ("bf16 train (mean 20)", "#9ecae1", "", running_mean(runs["bf16"][1])),
-         ("FP8 train (mean 20)", "#fcae91", "6 3", running_mean(runs["fp8"][1]))])
-    print(f"RESULT fidelity {a.config}: steps {rows[0]['steps']}, held-out bf16 {e16:.4f} fp8 {e8:.4f} "
-          f"({100 * rel:+.2f}%, within 1%: {abs(rel) <= 0.01}), diverged: {verdict['diverged'] or 'no'}")
+    series = [("bf16 held-out", "#1f77b4", "", runs["bf16"][0])]
+    for i, name in enumerate(n for n in runs if n != "bf16"):
+        series.append((f"{name} held-out", COLOURS[i % len(COLOURS)], "6 3", runs[name][0]))
+    series.append(("bf16 train (mean 20)", "#9ecae1", "", running_mean(runs["bf16"][1])))
+    first = next((n for n in runs if n != "bf16"), None)
+    if first:
+        series.append((f"{first} train (mean 20)", "#fcae91", "6 3", running_mean(runs[first][1])))
+    names = ", ".join(runs)
+    svg(a.svg, f"{a.config}: held-out loss of {names} ({a.args})", series)
     return 0
 
 

@@ -8,6 +8,10 @@
 #
 #   CONFIG   124m (gpt2-124m, seq 1024, batch 16, eval every 50) and/or 1p3b (gpt-1.3b, seq 1024, batch 4, eval every
 #            100); default both
+#   FIDELITY_RUNS="bf16 fp8"  the runs of each config, bf16 first (the reference): bf16 or fp8, each followed by
+#            modifiers joined with _: e4m3grad (BMT_FP8_GRAD=e4m3), row (BMT_FP8_SCALING=row), ends
+#            (--fp8-bf16-layers 0,-1), mlp / attn (--fp8-linears), seedN (--seed N: bf16_seed2 is the noise floor, a
+#            bf16 run from another init and data order); e.g. "bf16 fp8 fp8_e4m3grad fp8_row fp8_ends bf16_seed2"
 #   FIDELITY_STEPS=1000     training steps per run
 #   FIDELITY_SMOKE=1        the tiny preset for 40 steps on the CPU (a check of the script, not a measurement)
 #   FIDELITY_BUDGET_S=560   wall-clock budget; each run's timeout is what is left
@@ -23,6 +27,28 @@ bench_setup fp8_fidelity "${FIDELITY_BUDGET_S:-560}" "" 29860 100000
 export BMT_CALL_ID=${BMT_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-$BMT_GIT_COMMIT-fidelity}
 [ "$SMOKE" = 1 ] && RESULTS=$LOGDIR/smoke.jsonl
 STEPS=${FIDELITY_STEPS:-1000}
+read -ra RUNS <<< "${FIDELITY_RUNS:-bf16 fp8}"
+# run_recipe NAME: FLAGS (train_gpt's) and ENVS (VAR=VALUE words) of a run name; false for an unknown one
+run_recipe() {
+  local parts m
+  IFS=_ read -ra parts <<< "$1"
+  FLAGS="" ENVS=""
+  case ${parts[0]} in bf16) ;; fp8) FLAGS=--fp8 ;; *) return 1 ;; esac
+  for m in "${parts[@]:1}"; do
+    case $m in
+      e4m3grad) ENVS="$ENVS BMT_FP8_GRAD=e4m3" ;;
+      row) ENVS="$ENVS BMT_FP8_SCALING=row" ;;
+      ends) FLAGS="$FLAGS --fp8-bf16-layers 0,-1" ;;
+      mlp | attn) FLAGS="$FLAGS --fp8-linears $m" ;;
+      seed[0-9]*) FLAGS="$FLAGS --seed ${m#seed}" ;;
+      *) return 1 ;;
+    esac
+  done
+}
+[ "${RUNS[0]:-}" = bf16 ] || { echo "[fp8_fidelity] FIDELITY_RUNS must start with bf16 (the reference)" >&2; exit 2; }
+for run in "${RUNS[@]}"; do
+  run_recipe "$run" || { echo "[fp8_fidelity] FIDELITY_RUNS: unknown run '$run' (bf16|fp8 with _e4m3grad _row _ends _mlp _attn _seedN)" >&2; exit 2; }
+done
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -eq 0 ] && CONFIGS=(124m 1p3b)
 CORPUS=${FIDELITY_CORPUS:-$LOGDIR/corpus.txt}
@@ -36,23 +62,25 @@ for cfg in "${CONFIGS[@]}"; do
     *) echo "[fp8_fidelity] unknown config '$cfg' (124m 1p3b)" >&2; exit 2 ;;
   esac
   [ "$SMOKE" = 1 ] && A="--preset tiny --eval-every 10 --eval-batches 2" STEPS=40
-  for mode in bf16 fp8; do
-    id=${cfg}_$mode
+  report=()
+  for run in "${RUNS[@]}"; do
+    id=${cfg}_$run
     left=$((BENCH_BUDGET - ($(date +%s) - BENCH_START)))
     if [ "$left" -lt 30 ]; then echo "[fp8_fidelity] $id: skipped (time budget)"; continue; fi
-    flag=""; [ $mode = fp8 ] && flag=--fp8
+    run_recipe "$run"
     t0=$(date +%s)
     rm -f "$LOGDIR/$id.metrics.jsonl"
-    MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29860 + RANDOM % 100)) timeout -k 10 "$left" "$BIN" $A --steps "$STEPS" \
-      --data "$CORPUS" --data-format text $flag --metrics "$LOGDIR/$id.metrics.jsonl" --progress lines \
-      --log-every 100 > "$LOGDIR/$id.log" 2>&1
+    env $ENVS MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29860 + RANDOM % 100)) timeout -k 10 "$left" "$BIN" $A \
+      --steps "$STEPS" --data "$CORPUS" --data-format text $FLAGS --metrics "$LOGDIR/$id.metrics.jsonl" \
+      --progress lines --log-every 100 > "$LOGDIR/$id.log" 2>&1
     rc=$?
-    echo "[fp8_fidelity] $id: rc $rc, $(grep '^done:' "$LOGDIR/$id.log" | tail -1) [$(( $(date +%s) - t0 ))s]"
+    echo "[fp8_fidelity] $id ($ENVS $FLAGS): rc $rc, $(grep '^done:' "$LOGDIR/$id.log" | tail -1) [$(( $(date +%s) - t0 ))s]"
     [ $rc -eq 0 ] || tail -5 "$LOGDIR/$id.log" | cut -c1-300 | sed 's/^/    /'
+    [ "$run" = bf16 ] || report+=(--run "$run=$LOGDIR/$id.metrics.jsonl")
   done
-  python3 bench/fp8_fidelity_report.py --config "$cfg" --bf16 "$LOGDIR/${cfg}_bf16.metrics.jsonl" \
-    --fp8 "$LOGDIR/${cfg}_fp8.metrics.jsonl" --args "$A --steps $STEPS" --results "$RESULTS" \
-    --svg "$LOGDIR/fp8_fidelity_$cfg.svg" --corpus-info "$LOGDIR/corpus.json"
+  python3 bench/fp8_fidelity_report.py --config "$cfg" --bf16 "$LOGDIR/${cfg}_bf16.metrics.jsonl" "${report[@]}" \
+    --args "$A --steps $STEPS" --results "$RESULTS" --svg "$LOGDIR/fp8_fidelity_$cfg.svg" \
+    --corpus-info "$LOGDIR/corpus.json"
 done
 [ -n "${FIDELITY_CORPUS:-}" ] || rm -f "$LOGDIR/corpus.txt"  # 41 MB; rebuilt from the installed torch by make_text_corpus.py
 exit 0

@@ -98,9 +98,10 @@ Gpt::Gpt(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarT
     bmt::nn::TpScope scope = tp.scope("layers." + std::to_string(i));
     GptLayer layer(config_, dtype, scope);
     if (fp8_layer(parallel, i, config_.num_layers)) {
-      for (bmt::nn::PlannedLinear* l : {&layer->attn->c_attn, &layer->attn->c_proj, &layer->mlp->c_fc,
-                                              &layer->mlp->c_proj})
-        l->set_fp8(true);  // dense, or this rank's GEMM of a column- / row-parallel layer
+      // dense, or this rank's GEMM of a column- / row-parallel layer
+      const bool attn_fp8 = fp8_linear_group(parallel, true), mlp_fp8 = fp8_linear_group(parallel, false);
+      for (bmt::nn::PlannedLinear* l : {&layer->attn->c_attn, &layer->attn->c_proj}) l->set_fp8(attn_fp8);
+      for (bmt::nn::PlannedLinear* l : {&layer->mlp->c_fc, &layer->mlp->c_proj}) l->set_fp8(mlp_fp8);
     }
     scope.finish(*layer);  // LayerNorms and row-parallel biases replicated, before the Block packs them
     return bmt::make_block(layer.ptr(), block_options);

@@ -207,6 +207,13 @@ bool fp8_layer(const ParallelOptions& parallel, int64_t layer, int64_t num_layer
   return parallel.fp8 && !keep;
 }
 
+bool fp8_linear_group(const ParallelOptions& parallel, bool attention) {
+  const std::string& g = parallel.fp8_linears;
+  BMT_CHECK(g == "all" || g == "mlp" || g == "attn", "model: fp8_linears (--fp8-linears) must be all, mlp or attn, "
+            "got '", g, "'");
+  return g == "all" || (g == "attn") == attention;
+}
+
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& config, const ParallelOptions& parallel,
                                           at::ScalarType dtype) {
   if (config.arch == "llama") return std::make_shared<Llama>(config, parallel, dtype);

@@ -65,6 +65,9 @@ struct ParallelOptions {
   // and last layers, which FP8 recipes often keep in bf16. Default: none (every layer FP8, as measured).
   bool fp8 = false;
   std::vector<int64_t> fp8_bf16_layers;
+  // Which linears of an FP8 layer run in FP8: "all" (default), "mlp" (the attention's q/k/v and output stay in the
+  // parameter dtype) or "attn" (the MLP stays): a fidelity knob, measured in BENCHMARKS.md.
+  std::string fp8_linears = "all";
   // The tensor-parallel layout; unset: the architecture's plan (gpt_tp_plan / llama_tp_plan) with
   // bmt::config().sequence_parallel. Ignored at tp_size 1 except for its validation.
   std::optional<bmt::nn::TpPlan> tp_plan;
@@ -155,6 +158,9 @@ class LanguageModel : public torch::nn::Module {
 // Whether transformer layer `layer` of `num_layers` runs its linears in FP8 (parallel.fp8, not in fp8_bf16_layers).
 // Throws naming the index when fp8_bf16_layers holds one outside [-num_layers, num_layers).
 bool fp8_layer(const ParallelOptions& parallel, int64_t layer, int64_t num_layers);
+// Whether an FP8 layer's attention (attention = true) or MLP linears run in FP8 (parallel.fp8_linears); throws
+// naming the value when it is not all, mlp or attn.
+bool fp8_linear_group(const ParallelOptions& parallel, bool attention);
 
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& config, const ParallelOptions& parallel,
                                           at::ScalarType dtype);

@@ -87,10 +87,12 @@ Llama::Llama(const ModelConfig& config, const ParallelOptions& parallel, at::Sca
     bmt::nn::TpScope scope = tp.scope("layers." + std::to_string(i));
     LlamaLayer layer(config_, dtype, scope);
     if (fp8_layer(parallel, i, config_.num_layers)) {  // every linear of the layer; embeddings and the output head stay in dtype
+      const bool attn_fp8 = fp8_linear_group(parallel, true), mlp_fp8 = fp8_linear_group(parallel, false);
       for (bmt::nn::PlannedLinear* l : {&layer->attention->wq, &layer->attention->wk, &layer->attention->wv,
-                                        &layer->attention->wo, &layer->feed_forward->w1, &layer->feed_forward->w2,
-                                        &layer->feed_forward->w3})
-        l->set_fp8(true);
+                                        &layer->attention->wo})
+        l->set_fp8(attn_fp8);
+      for (bmt::nn::PlannedLinear* l : {&layer->feed_forward->w1, &layer->feed_forward->w2, &layer->feed_forward->w3})
+        l->set_fp8(mlp_fp8);
     }
     scope.finish(*layer);  // the RMSNorms replicated, before the Block packs them
     return bmt::make_block(layer.ptr(), block_options);

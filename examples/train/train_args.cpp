@@ -33,6 +33,8 @@ std::string train_usage() {
                       BMT_FP8_GRAD=e4m3; per-tensor dynamic scales); embeddings and the LM head stay --dtype
   --fp8-bf16-layers L layers whose linears stay --dtype under --fp8: comma-separated indices, negative from the
                       end (e.g. 0,-1: the first and the last); default none
+  --fp8-linears G     which linears of an FP8 layer run in FP8: all (default), mlp (attention's q/k/v and output
+                      stay --dtype) or attn (the MLP stays --dtype)
   --cuda-graphs       capture the forward + backward (ZeRO gathers and reductions included) as a CUDA graph
                       after 2 eager steps and replay it (bmt::CudaGraphStep; the optimizer step stays eager);
                       not with --pp; eager on CPUs (a notice). Default on for one GPU (world 1, no --pp);
@@ -114,6 +116,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       {"--inspect-every", i64(a.inspect_every)},
       {"--samples", i64(a.samples)}, {"--sample-tokens", i64(a.sample_tokens)}, {"--top-k", i64(a.top_k)},
       {"--export-hf", str(a.export_hf)}, {"--init-from", str(a.init_from)}, {"--dtype", str(a.dtype)},
+      {"--fp8-linears", str(a.fp8_linears)},
       {"--seed", [&](const std::string& n, const std::string& v) { a.seed = static_cast<uint64_t>(to_i64(n, v)); }},
       {"--fp8-bf16-layers",
        [&](const std::string& n, const std::string& v) {
@@ -203,6 +206,9 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
   BMT_CHECK(a.dtype == "auto" || a.dtype == "fp32" || a.dtype == "bf16", "--dtype must be auto, fp32 or bf16, got '",
             a.dtype, "'");
   BMT_CHECK(a.fp8 || a.fp8_bf16_layers.empty(), "--fp8-bf16-layers chooses layers kept out of FP8; it needs --fp8");
+  BMT_CHECK(a.fp8_linears == "all" || a.fp8_linears == "mlp" || a.fp8_linears == "attn",
+            "--fp8-linears must be all, mlp or attn, got '", a.fp8_linears, "'");
+  BMT_CHECK(a.fp8 || a.fp8_linears == "all", "--fp8-linears chooses the linears in FP8; it needs --fp8");
   BMT_CHECK(a.model == "gpt" || a.model == "llama", "--model must be gpt or llama, got '", a.model, "'");
   BMT_CHECK(a.progress == "auto" || a.progress == "bar" || a.progress == "lines" || a.progress == "off",
             "--progress must be auto, bar, lines or off, got '", a.progress, "'");

@@ -1,7 +1,7 @@
 """bench/run_fp8_fidelity.sh (issue 34's loss fidelity) in its CPU smoke mode: train_gpt in bf16 and --fp8 on the
 same text, one row per run and a verdict row, an SVG with the four curves; and fp8_fidelity_report.py's verdicts on
 made-up curves (a NaN loss and a held-out loss that climbs away from its minimum count as divergence, a 2% gap is
-not within 1%)."""
+not within 1%, one verdict per variant); an unknown FIDELITY_RUNS name is refused before any training."""
 import json
 import os
 import subprocess
@@ -38,7 +38,7 @@ def test_smoke_run_writes_rows_verdict_and_svg(tmp_path):
     # the same init and batches: the step-0 held-out losses agree to FP8's effect on one forward
     assert abs(bf16["eval_curve"][0][1] - fp8["eval_curve"][0][1]) < 1e-2
     assert bf16["final_eval_loss"] < bf16["eval_curve"][0][1] - 0.5  # it learned
-    assert verdict["final_eval_loss_fp8"] == fp8["final_eval_loss"]
+    assert verdict["final_eval_loss_variant"] == fp8["final_eval_loss"] and verdict["comparison"] == "fp8_vs_bf16"
     assert abs(verdict["rel_diff"]) < 0.01 and verdict["within_1pct"] is True and verdict["diverged"] is None
     svg = ET.parse(out / "fp8_fidelity_124m.svg").getroot()
     assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 4
@@ -73,3 +73,39 @@ def test_report_verdicts(tmp_path):
     assert "above its minimum" in v["diverged"]
     v = _report(tmp_path, base, base, fp8_train=[(1, 3.0), (2, float("nan"))])
     assert v["diverged"] == "non-finite loss"
+
+
+def test_report_one_verdict_per_variant(tmp_path):
+    train = [(s, 3.0 - s / 100) for s in range(1, 101)]
+    paths = {}
+    for name, final in (("bf16", 2.0), ("fp8", 2.04), ("fp8_ends", 2.01), ("bf16_seed2", 1.99)):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        _metrics(paths[name], [(0, 5.0), (100, final)], train)
+    res = tmp_path / "res.jsonl"
+    r = subprocess.run([sys.executable, REPORT, "--config", "x", "--bf16", str(paths["bf16"])] +
+                       [a for n in ("fp8", "fp8_ends", "bf16_seed2") for a in ("--run", f"{n}={paths[n]}")] +
+                       ["--run", f"fp8_row={tmp_path / 'missing.jsonl'}", "--results", str(res), "--svg",
+                        str(tmp_path / "c.svg")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "fp8_row wrote no metrics" in r.stdout
+    rows = [json.loads(l) for l in open(res)]
+    assert [(r["variant"], r["fp8"]) for r in rows[:4]] == [("bf16", False), ("fp8", True), ("fp8_ends", True),
+                                                            ("bf16_seed2", False)]
+    verdicts = {r["comparison"]: r for r in rows[4:]}
+    assert sorted(verdicts) == ["bf16_seed2_vs_bf16", "fp8_ends_vs_bf16", "fp8_vs_bf16"]
+    assert verdicts["fp8_vs_bf16"]["within_1pct"] is False and abs(verdicts["fp8_vs_bf16"]["rel_diff"] - 0.02) < 1e-9
+    assert verdicts["fp8_ends_vs_bf16"]["within_1pct"] is True
+    assert abs(verdicts["bf16_seed2_vs_bf16"]["rel_diff"] + 0.005) < 1e-9
+    svg = ET.parse(tmp_path / "c.svg").getroot()
+    assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 6  # 4 held-out, 2 training curves
+
+
+def test_unknown_run_name_is_refused_before_training(tmp_path):
+    env = dict(os.environ, FIDELITY_RUNS="bf16 fp8_fast", OUT=str(tmp_path / "out"), FIDELITY_TRAIN_GPT="/bin/false")
+    r = subprocess.run(["bash", os.path.join(REPO, "bench", "run_fp8_fidelity.sh"), "unused", "124m"], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "unknown run 'fp8_fast'" in r.stderr, r.stdout + r.stderr
+    env["FIDELITY_RUNS"] = "fp8 bf16"
+    r = subprocess.run(["bash", os.path.join(REPO, "bench", "run_fp8_fidelity.sh"), "unused", "124m"], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "must start with bf16" in r.stderr, r.stdout + r.stderr

@@ -110,6 +110,43 @@ TEST(Fp8Training, LayersListedInFp8Bf16LayersStayInTheParameterDtype) {
   EXPECT_THROW(examples::parse_train_args(3, no_fp8), std::exception);
 }
 
+TEST(Fp8Training, Fp8LinearsChoosesTheAttentionOrTheMlpLinears) {
+  bmt::testing::run_ranks(1, [] {
+    examples::ModelConfig c;
+    c.num_layers = 2, c.dim = 64, c.num_heads = 4, c.ffn_dim = 256, c.vocab_size = 32, c.max_seq_len = 16;
+    for (const std::string group : {"all", "mlp", "attn"}) {
+      examples::ParallelOptions p(3, false);
+      p.fp8 = true;
+      p.fp8_linears = group;
+      examples::Gpt model(c, p, at::kFloat);
+      int fp8_on = 0;
+      for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+        auto* lin = dynamic_cast<bmt::nn::LinearImpl*>(item.value().get());
+        if (!lin || item.key().rfind("layers.", 0) != 0) continue;
+        const bool in_mlp = item.key().find(".mlp.") != std::string::npos;
+        EXPECT_EQ(lin->fp8, group == "all" || (group == "mlp") == in_mlp) << group << ": " << item.key();
+        fp8_on += lin->fp8;
+      }
+      EXPECT_EQ(fp8_on, group == "all" ? 8 : 4) << group;
+    }
+    examples::ParallelOptions p(3, false);
+    p.fp8 = true;
+    p.fp8_linears = "qkv";
+    try {
+      examples::Gpt bad(c, p, at::kFloat);
+      ADD_FAILURE() << "fp8_linears 'qkv' was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("must be all, mlp or attn, got 'qkv'"), std::string::npos) << e.what();
+    }
+  });
+  const char* argv[] = {"train_gpt", "--fp8", "--fp8-linears", "mlp"};
+  EXPECT_EQ(examples::parse_train_args(4, argv).fp8_linears, "mlp");
+  const char* bad[] = {"train_gpt", "--fp8", "--fp8-linears", "none"};
+  EXPECT_THROW(examples::parse_train_args(4, bad), std::exception);
+  const char* no_fp8[] = {"train_gpt", "--fp8-linears", "mlp"};
+  EXPECT_THROW(examples::parse_train_args(3, no_fp8), std::exception);
+}
+
 TEST(Fp8Training, OffIsTodaysModelAndOnStaysWithinFp8Rounding) {
   bmt::testing::run_ranks(1, [] {
     examples::ModelConfig c;
