@@ -17,6 +17,9 @@
 #                           bf16 and --fp8, FSDP2 + torchao float8 eager and compiled (torchao from .deps/wheels,
 #                           scripts/prepare_device_deps.sh), the engine's bf16, --fp8 and --fp8 with rowwise scales
 #                           (BMT_FP8_SCALING=row)
+#   TORCHOPS_FP8_RUNS="bmt bmt_fp8 fsdp2_fp8 fsdp2_fp8_compile bmtpy bmtpy_fp8 bmt_fp8row"   the FP8 mode's runs per
+#                           config, in order; also bmt_fp8_noepi (the engine's FP8 with BMT_GEMM_EPILOGUES=0: the
+#                           FP8 MLP's GELU, GELU gradient and residual add as separate passes; variant fp8-no-epilogues)
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
 # The C++ engine's rows use its own best settings per config (124m --cuda-graphs; checkpointed configs
 # --step-in-backward; offload --offload-grad-bf16 --offload-async); its config string is mapped to the five names
@@ -40,6 +43,7 @@ echo "[torchops_bench] call_id $BMT_CALL_ID, results $RESULTS"
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -eq 0 ] && CONFIGS=(124m 1p3b 1p3b_ckpt 6p7b_ckpt 1p3b_offload)
 FRAMEWORKS=${TORCHOPS_FRAMEWORKS:-bmtpy fsdp2 plain bmt}
+FP8_RUNS=${TORCHOPS_FP8_RUNS:-bmt bmt_fp8 fsdp2_fp8 fsdp2_fp8_compile bmtpy bmtpy_fp8 bmt_fp8row}
 
 # shape and step counts of a config id; sets P (python flags), C (engine flags), CANON (the config name)
 shape_of() {
@@ -87,7 +91,7 @@ if sys.argv[2] == "bmt":  # the engine's row under the five names
     rec["engine_config"], rec["engine_framework"] = rec.get("config"), rec.get("framework")
     rec["framework"], rec["config"] = "bmt", sys.argv[3]
 rec["call_id"] = os.environ["BMT_CALL_ID"]
-rec.setdefault("variant", "fp8" if rec.get("fp8") else "eager")
+rec["variant"] = os.environ.get("BENCH_VARIANT") or rec.get("variant") or ("fp8" if rec.get("fp8") else "eager")
 print(json.dumps(rec))
 PY
     echo "[torchops_bench] $id: $(grep '^RESULT' "$log" | tail -1 | sed 's/^RESULT //') [$(( $(date +%s) - t0 ))s]"
@@ -112,18 +116,27 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
   for cfg in "${CONFIGS[@]}"; do
     shape_of "$cfg" || exit 2
     # (the issue's comparison first: the engine bf16 / FP8 and FSDP2 + torchao; the budget cuts the rest first)
-    run_one "bmt_$cfg" bmt "$CANON" "$BIN" --framework bmt $C
-    run_one "bmt_fp8_$cfg" bmt "$CANON" "$BIN" --framework bmt $C --fp8
-    if python3 -c "import torchao" 2>/dev/null; then
-      run_one "fsdp2_fp8_$cfg" py "$CANON" "${PY[@]}" --framework fsdp2 $P --fp8
-      run_one "fsdp2_fp8_compile_$cfg" py "$CANON" "${PY[@]}" --framework fsdp2 $P --fp8 --compile
-    else
-      echo "[torchops_bench] torchao not importable (scripts/prepare_device_deps.sh puts its wheel in .deps/wheels):" \
-        "no FSDP2 + torchao rows"
-    fi
-    run_one "bmtpy_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P
-    run_one "bmtpy_fp8_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P --fp8
-    run_one "bmt_fp8row_$cfg" bmt "$CANON" env BMT_FP8_SCALING=row "$BIN" --framework bmt $C --fp8
+    for run in $FP8_RUNS; do
+      case $run in
+        bmt) run_one "bmt_$cfg" bmt "$CANON" "$BIN" --framework bmt $C ;;
+        bmt_fp8) run_one "bmt_fp8_$cfg" bmt "$CANON" "$BIN" --framework bmt $C --fp8 ;;
+        fsdp2_fp8 | fsdp2_fp8_compile)
+          if python3 -c "import torchao" 2>/dev/null; then
+            extra=""; [ $run = fsdp2_fp8_compile ] && extra=--compile
+            run_one "${run}_$cfg" py "$CANON" "${PY[@]}" --framework fsdp2 $P --fp8 $extra
+          else
+            echo "[torchops_bench] torchao not importable (scripts/prepare_device_deps.sh puts its wheel in" \
+              ".deps/wheels): no $run row"
+          fi ;;
+        bmtpy) run_one "bmtpy_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P ;;
+        bmtpy_fp8) run_one "bmtpy_fp8_$cfg" py "$CANON" "${PY[@]}" --framework bmtrain $P --fp8 ;;
+        bmt_fp8row) run_one "bmt_fp8row_$cfg" bmt "$CANON" env BMT_FP8_SCALING=row "$BIN" --framework bmt $C --fp8 ;;
+        # the FP8 MLP without its epilogue GEMMs (GELU, its gradient and the residual add as separate passes)
+        bmt_fp8_noepi) BENCH_VARIANT=fp8-no-epilogues run_one "bmt_fp8_noepi_$cfg" bmt "$CANON" \
+                         env BMT_GEMM_EPILOGUES=0 "$BIN" --framework bmt $C --fp8 ;;
+        *) echo "[torchops_bench] TORCHOPS_FP8_RUNS: unknown run '$run'" >&2; exit 2 ;;
+      esac
+    done
   done
   CONFIGS=()
   TORCHOPS_ABLATE=0 TORCHOPS_COMPILE=0

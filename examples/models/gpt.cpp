@@ -5,6 +5,7 @@
 #include "bmt/core/error.h"
 #include "bmt/runtime/init.h"
 #include "bmt/nn/fp8_linear.h"
+#include "bmt/nn/fp8_mlp.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/params/parameter.h"
 #include "bmt/pipeline/pipeline.h"
@@ -55,7 +56,10 @@ GptMlpImpl::GptMlpImpl(const ModelConfig& c, at::ScalarType dtype, const bmt::nn
 
 at::Tensor GptMlpImpl::forward(const at::Tensor& x, const at::Tensor& residual, bool compute_output) {
   bmt::nn::Linear fc = c_fc.dense(), proj = c_proj.dense();
-  if (fc && proj && (fc->fp8 || proj->fp8)) {  // FP8 GEMMs, GELU and the residual add separate (no epilogues yet)
+  if (fc && proj && fc->fp8 && proj->fp8)  // FP8 GEMMs with GELU, its gradient and the residual in epilogues
+    return bmt::nn::fp8_gelu_mlp(x, bmt::gathered(fc->weight), bmt::gathered(fc->bias), bmt::gathered(proj->weight),
+                                 bmt::gathered(proj->bias), residual, bmt::nn::fp8_grad_format(), compute_output);
+  if (fc && proj && (fc->fp8 || proj->fp8)) {  // one of the two in FP8: separate GELU and residual add
     const at::Tensor h = at::gelu(fc->forward(x), "tanh");
     if (compute_output || !proj->fp8) return residual + proj->forward(h);
     // the recompute's tail: c_proj's node without its GEMM (the add stays: it carries the residual's gradient)

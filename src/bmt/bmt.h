@@ -11,6 +11,7 @@
 #include "bmt/loss/fused_cross_entropy.h"
 #include "bmt/nn/attention.h"
 #include "bmt/nn/fp8_linear.h"
+#include "bmt/nn/fp8_mlp.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/layers.h"

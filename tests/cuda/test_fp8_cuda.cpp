@@ -3,7 +3,8 @@
 // inf/NaN tensors), and nn::fp8_linear on the GPU (cuBLASLt's FP8 GEMMs through at::_scaled_mm) against the fp64
 // reference within the FP8 bound (tests/nn/fp8_reference.h). Needs compute capability 8.9+ for the GEMMs.
 // (Shapes whose rows and columns are multiples of 8 take the 8-wide transposing cast, the others the 32 x 32 one.)
-// The same for the rowwise cast (per-row and per-column scales) and the rowwise FP8 linear.
+// The same for the rowwise cast (per-row and per-column scales) and the rowwise FP8 linear; the FP8 epilogue GEMMs
+// against their CPU twin and nn::fp8_gelu_mlp's fused path against its separate path and the twin.
 #include <gtest/gtest.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/autograd.h>
@@ -13,7 +14,10 @@
 #include <limits>
 
 #include "bmt/core/kernels/fp8_cast_internal.h"
+#include "bmt/nn/fp8_gemm_internal.h"
 #include "bmt/nn/fp8_linear.h"
+#include "bmt/nn/fp8_mlp.h"
+#include "bmt/nn/fused_linear.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 #include "fp8_reference.h"
 
@@ -186,4 +190,94 @@ TEST(Fp8LinearCuda, RowwiseWithinTheFp8Bound) {
                              bmt::nn::Fp8Scaling::kRow);
   fp8_test::check_fp8_linear(at::kCUDA, at::kFloat, bmt::nn::Fp8Format::kE4M3, 128, 256, 64,
                              bmt::nn::Fp8Scaling::kRow);
+}
+
+// The FP8 epilogue GEMMs (cuBLASLt with FP8 operands and the BIAS + residual, GELU_AUX_BIAS and DGELU epilogues)
+// against their CPU twin on the same FP8 bytes and scales: one bf16 rounding apart (2^-7 with slack for fp32
+// accumulation order and cuBLASLt's tanh), plus a floor for sums near zero. The bias and GELU epilogues must have
+// an algorithm (the fused MLP's forward relies on them); DGELU falls back by design where it has none (reported).
+TEST(Fp8GemmEpilogueCuda, MatchesTheCpuTwin) {
+  if (!fp8_gemm_device()) GTEST_SKIP() << "no CUDA device with FP8 tensor cores (8.9+)";
+  at::manual_seed(26);
+  using bmt::nn::Fp8Format;
+  struct Shape { int64_t rows, inner, cols; };
+  for (const Shape s : {Shape{64, 128, 256}, Shape{256, 768, 1024}, Shape{128, 1024, 256}}) {
+    const std::string what = std::to_string(s.rows) + "x" + std::to_string(s.inner) + "x" + std::to_string(s.cols);
+    const at::Tensor a = at::randn({s.rows, s.inner}).cuda(), w = (at::randn({s.cols, s.inner}) * 0.05).cuda();
+    const bmt::nn::Fp8Tensor aq = bmt::nn::fp8_cast(a, Fp8Format::kE5M2, true, false);
+    const bmt::nn::Fp8Tensor wq = bmt::nn::fp8_cast(w, Fp8Format::kE4M3, true, false);
+    const at::Tensor aq_c = aq.data.cpu(), ai_c = aq.inv.cpu(), wq_c = wq.data.cpu(), wi_c = wq.inv.cpu();
+    const at::Tensor bias = at::randn({s.cols}).to(at::kBFloat16), res = at::randn({s.rows, s.cols}).to(at::kBFloat16);
+    const double floor = 1e-4 * std::sqrt(static_cast<double>(s.inner));
+    auto both = [&](k::GemmEpilogue e, bool fast, const at::Tensor& b, const at::Tensor& aux_in, const at::Tensor& r,
+                    at::Tensor* aux_out_gpu, at::Tensor* aux_out_cpu) {
+      const bool keeps_aux = e == k::GemmEpilogue::kGeluAuxBias;
+      at::Tensor want = at::empty({s.rows, s.cols}, at::kBFloat16), got = at::empty_like(want).cuda();
+      at::Tensor aux_c = keeps_aux ? at::empty_like(want) : aux_in, aux_g = keeps_aux ? at::empty_like(got) : aux_in.defined() ? aux_in.cuda() : aux_in;
+      EXPECT_TRUE(bmt::nn::fp8_gemm_epilogue(e, aq_c, Fp8Format::kE5M2, ai_c, wq_c, Fp8Format::kE4M3, wi_c, fast, want,
+                                             b, aux_c, r));
+      const bool ran = bmt::nn::fp8_gemm_epilogue(e, aq.data, Fp8Format::kE5M2, aq.inv, wq.data, Fp8Format::kE4M3,
+                                                  wq.inv, fast, got, b.defined() ? b.cuda() : b, aux_g,
+                                                  r.defined() ? r.cuda() : r);
+      if (aux_out_gpu) *aux_out_gpu = aux_g, *aux_out_cpu = aux_c;
+      if (!ran) return false;
+      const at::Tensor g = got.cpu().to(at::kDouble), wd = want.to(at::kDouble);
+      const double slack = fast ? 1.0 / 32 : 1.0 / 128;  // fast accumulation: coarser partial sums
+      const at::Tensor err = (g - wd).abs(), allowed = at::maximum(g.abs(), wd.abs()) * slack + floor;
+      EXPECT_TRUE((err <= allowed).all().item<bool>())
+          << what << " " << k::gemm_epilogue_name(e) << (fast ? " fast" : "") << ": max error "
+          << err.max().item<double>() << " at magnitude " << wd.abs().max().item<double>();
+      return true;
+    };
+    EXPECT_TRUE(both(k::GemmEpilogue::kBias, false, bias, {}, res, nullptr, nullptr)) << what << ": no FP8 bias GEMM";
+    EXPECT_TRUE(both(k::GemmEpilogue::kBias, true, bias, {}, {}, nullptr, nullptr)) << what;
+    at::Tensor aux_g, aux_c;
+    EXPECT_TRUE(both(k::GemmEpilogue::kGeluAuxBias, true, bias, {}, {}, &aux_g, &aux_c)) << what << ": no FP8 GELU";
+    EXPECT_TRUE(both(k::GemmEpilogue::kGeluAuxBias, false, bias, {}, {}, &aux_g, &aux_c)) << what;
+    const at::Tensor pre = aux_c;  // the twin's pre-activation, read by both DGELUs
+    if (!both(k::GemmEpilogue::kDGelu, false, {}, pre, {}, nullptr, nullptr))
+      std::printf("[note] %s: cuBLASLt has no FP8 DGELU algorithm; nn::fp8_gelu_mlp computes it after the GEMM\n",
+                  what.c_str());
+  }
+}
+
+// nn::fp8_gelu_mlp on the GPU (the fused path: epilogue GEMMs) against the same function with the epilogues off
+// (the separate composition) and against the fused function on CPU (the twin), on bf16 inputs: within FP8 rounding
+// of each other (GELU on the fp32 sum flips a few elements of h by one FP8 ulp, see tests/nn/test_fp8_mlp.cpp).
+TEST(Fp8GeluMlpCuda, FusedMatchesTheSeparatePathAndTheCpuTwin) {
+  if (!fp8_gemm_device()) GTEST_SKIP() << "no CUDA device with FP8 tensor cores (8.9+)";
+  at::manual_seed(27);
+  auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16); };
+  // 2048 x 2048 outputs of c_fc: above the DGELU epilogue's size floor (kDGeluMinOutputs), so it is tried
+  const int64_t rows = 2048, in = 256, hidden = 2048, out = 256;
+  const at::Tensor x = bf(at::randn({rows, in})), w1 = bf(at::randn({hidden, in}) * 0.06), b1 = bf(at::randn({hidden}) * 0.1);
+  const at::Tensor w2 = bf(at::randn({out, hidden}) * 0.02), b2 = bf(at::randn({out}) * 0.1), r = bf(at::randn({rows, out}));
+  const at::Tensor g = bf(at::randn({rows, out}));
+  struct Result { at::Tensor y, dx, dw1, db1, dw2, db2; };
+  auto run = [&](at::Device dev, bool fused_cpu) {
+    std::vector<at::Tensor> p;
+    for (const at::Tensor& t : {x, w1, b1, w2, b2, r}) p.push_back(t.to(dev).requires_grad_());
+    const at::Tensor y = fused_cpu ? bmt::nn::fp8_gelu_mlp_fused(p[0], p[1], p[2], p[3], p[4], p[5], bmt::nn::Fp8Format::kE5M2)
+                                   : bmt::nn::fp8_gelu_mlp(p[0], p[1], p[2], p[3], p[4], p[5], bmt::nn::Fp8Format::kE5M2);
+    y.backward(g.to(dev));
+    return Result{y.detach().cpu(), p[0].grad().cpu(), p[1].grad().cpu(), p[2].grad().cpu(), p[3].grad().cpu(),
+                  p[4].grad().cpu()};
+  };
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    const at::Tensor x = a.to(at::kDouble), y = b.to(at::kDouble);
+    return (x - y).norm().item<double>() / y.norm().item<double>();
+  };
+  const Result fused = run(at::kCUDA, false), twin = run(at::kCPU, true);
+  bmt::nn::set_gemm_epilogues_enabled(false);
+  const Result separate = run(at::kCUDA, false);
+  bmt::nn::set_gemm_epilogues_enabled(true);
+  const at::Tensor rd = r.to(at::kDouble);
+  for (const auto& [other, name] : {std::pair{separate, "separate path"}, std::pair{twin, "CPU twin"}}) {
+    EXPECT_LT(rel(fused.y.to(at::kDouble) - rd, other.y.to(at::kDouble) - rd), 0.03) << name;
+    EXPECT_LT(rel(fused.dx, other.dx), 0.05) << name;
+    EXPECT_LT(rel(fused.dw1, other.dw1), 0.05) << name;
+    EXPECT_LT(rel(fused.db1, other.db1), 0.05) << name;
+    EXPECT_LT(rel(fused.dw2, other.dw2), 0.05) << name;
+    EXPECT_LT(rel(fused.db2, other.db2), 0.05) << name;
+  }
 }

@@ -1,4 +1,5 @@
 #include "bmt/nn/fp8_linear.h"
+#include "bmt/nn/fp8_gemm_internal.h"
 
 #include <torch/autograd.h>
 
@@ -8,6 +9,7 @@
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/nn/fused_reductions.h"
+#include "bmt/nn/gemm_epilogue_args_internal.h"
 #include "bmt/runtime/env_switch_internal.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
@@ -37,33 +39,6 @@ std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
   return s;
 }
 
-// a [m, k] row-major x b [n, k] row-major (= the column-major [k, n] operand _scaled_mm wants), dequantised by the
-// operands' inverse scales (0-dim: per tensor; [m] and [n]: per row), into out_dtype. Fast accumulation only in the
-// forward (the gradients' GEMMs keep full fp32 accumulation, as torchao and TransformerEngine do). A bias is added
-// in the GEMM's epilogue where cuBLASLt takes it (per-tensor scales, a 16-bit output of the bias's dtype: one
-// write of the output instead of a write, a read and a write), after the GEMM elsewhere.
-at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at::Tensor& b, const at::Tensor& b_inv,
-                     at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias = std::nullopt) {
-  if (bias && a_inv.dim() == 0 && a.is_cuda() && out_dtype != at::kFloat && bias->scalar_type() == out_dtype)
-    return at::_scaled_mm(a, b.t(), a_inv, b_inv, *bias, std::nullopt, out_dtype, fast_accum);
-  if (bias) return scaled_mm(a, a_inv, b, b_inv, out_dtype, fast_accum).add_(*bias);
-  if (a_inv.dim() == 0) return at::_scaled_mm(a, b.t(), a_inv, b_inv, std::nullopt, std::nullopt, out_dtype, fast_accum);
-  const at::Tensor sa = a_inv.view({-1, 1}), sb = b_inv.view({1, -1});
-  if (a.is_cuda() && out_dtype == at::kBFloat16)  // the rowwise kernels' one output dtype
-    return at::_scaled_mm(a, b.t(), sa, sb, std::nullopt, std::nullopt, out_dtype, fast_accum);
-  // (CPUs: _scaled_mm takes per-tensor scales only) the FP8 products with unit scales, scaled per row and column
-  const at::Tensor one = at::ones({}, a_inv.options());
-  return at::_scaled_mm(a, b.t(), one, one, std::nullopt, std::nullopt, at::kFloat, fast_accum)
-      .mul_(sa)
-      .mul_(sb)
-      .to(out_dtype);
-}
-
-Fp8Tensor cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format, bool row_major, bool transposed) {
-  return scaling == Fp8Scaling::kRow ? fp8_cast_rowwise(m, Fp8Format::kE4M3, row_major, transposed)
-                                     : fp8_cast(m, format, row_major, transposed);
-}
-
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, int64_t grad_format, int64_t scaling_id,
@@ -73,12 +48,12 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const at::Tensor x2 = x.contiguous().view({-1, in});
     // compute = false (a recompute's tail): no forward GEMM, so neither x's row-major bytes nor W's cast
     Fp8Tensor xq;
-    if (compute || want_dw) xq = cast_as(scaling, x2, Fp8Format::kE4M3, compute, want_dw);
+    if (compute || want_dw) xq = fp8_cast_as(scaling, x2, Fp8Format::kE4M3, compute, want_dw);
     at::Tensor y;
     if (compute) {
-      const Fp8Tensor wq = cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
+      const Fp8Tensor wq = fp8_cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
       // (the fused bias was cleared of the CUBLAS_STATUS_NOT_SUPPORTED of 81f1cd3 by the session-13 probe on an H200)
-      y = scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), /*fast_accum=*/true, bias);
+      y = fp8_scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), /*fast_accum=*/true, bias);
     } else {
       y = deferred_output({x2.size(0), out}, x.options());
     }
@@ -105,13 +80,14 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
     at::Tensor dx, dw, db;
     if (want_dx || want_dw) {
-      const Fp8Tensor dyq = cast_as(scaling, dy2, grad_format, want_dx, want_dw);  // (per tensor: one pass)
+      const Fp8Tensor dyq = fp8_cast_as(scaling, dy2, grad_format, want_dx, want_dw);  // (per tensor: one pass)
       if (want_dx) {
-        const Fp8Tensor wq = cast_as(scaling, weight, Fp8Format::kE4M3, false, true);  // W^T [in, out] row-major
-        dx = scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), grads[0].scalar_type(), false)
+        const Fp8Tensor wq = fp8_cast_as(scaling, weight, Fp8Format::kE4M3, false, true);  // W^T [in, out] row-major
+        dx = fp8_scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), grads[0].scalar_type(), false,
+                           std::nullopt)
                  .view(x_sizes);
       }
-      if (want_dw) dw = scaled_mm(dyq.data_t, dyq.inv_scale_t(), xt8, x_inv, w_dtype, false);
+      if (want_dw) dw = fp8_scaled_mm(dyq.data_t, dyq.inv_scale_t(), xt8, x_inv, w_dtype, false, std::nullopt);
     }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = column_sum(dy2, w_dtype);
     return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -119,6 +95,58 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
 };
 
 }  // namespace
+
+// a [m, k] row-major x b [n, k] row-major (= the column-major [k, n] operand _scaled_mm wants), dequantised by the
+// operands' inverse scales (0-dim: per tensor; [m] and [n]: per row), into out_dtype. Fast accumulation only in the
+// forward (the gradients' GEMMs keep full fp32 accumulation, as torchao and TransformerEngine do). A bias is added
+// in the GEMM's epilogue where cuBLASLt takes it (per-tensor scales, a 16-bit output of the bias's dtype: one
+// write of the output instead of a write, a read and a write), after the GEMM elsewhere.
+at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at::Tensor& b, const at::Tensor& b_inv,
+                         at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
+  if (bias && a_inv.dim() == 0 && a.is_cuda() && out_dtype != at::kFloat && bias->scalar_type() == out_dtype)
+    return at::_scaled_mm(a, b.t(), a_inv, b_inv, *bias, std::nullopt, out_dtype, fast_accum);
+  if (bias) return fp8_scaled_mm(a, a_inv, b, b_inv, out_dtype, fast_accum, std::nullopt).add_(*bias);
+  if (a_inv.dim() == 0) return at::_scaled_mm(a, b.t(), a_inv, b_inv, std::nullopt, std::nullopt, out_dtype, fast_accum);
+  const at::Tensor sa = a_inv.view({-1, 1}), sb = b_inv.view({1, -1});
+  if (a.is_cuda() && out_dtype == at::kBFloat16)  // the rowwise kernels' one output dtype
+    return at::_scaled_mm(a, b.t(), sa, sb, std::nullopt, std::nullopt, out_dtype, fast_accum);
+  // (CPUs: _scaled_mm takes per-tensor scales only) the FP8 products with unit scales, scaled per row and column
+  const at::Tensor one = at::ones({}, a_inv.options());
+  return at::_scaled_mm(a, b.t(), one, one, std::nullopt, std::nullopt, at::kFloat, fast_accum)
+      .mul_(sa)
+      .mul_(sb)
+      .to(out_dtype);
+}
+
+bool fp8_gemm_epilogue(k::GemmEpilogue epilogue, const at::Tensor& a, Fp8Format a_format, const at::Tensor& a_inv,
+                       const at::Tensor& b, Fp8Format b_format, const at::Tensor& b_inv, bool fast_accum,
+                       const at::Tensor& out, const at::Tensor& bias, const at::Tensor& aux,
+                       const at::Tensor& residual) {
+  BMT_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(1) && out.size(0) == a.size(0) &&
+                out.size(1) == b.size(0),
+            "nn::fp8_gemm_epilogue: operands ", a.sizes(), " x ", b.sizes(), "^T do not make the output ", out.sizes());
+  BMT_CHECK(a_inv.dim() == 0 && b_inv.dim() == 0, "nn::fp8_gemm_epilogue: per-tensor scales only");
+  k::Fp8GemmOperands f8;
+  f8.a_format = core_format(a_format), f8.b_format = core_format(b_format);
+  f8.a_inv_scale = a_inv.data_ptr<float>(), f8.b_inv_scale = b_inv.data_ptr<float>();
+  f8.fast_accum = fast_accum;
+  k::GemmEpilogueArgs g;
+  g.rows = a.size(0), g.cols = b.size(0), g.inner = a.size(1);
+  g.a = a.data_ptr(), g.b = b.data_ptr(), g.b_transposed = true;
+  g.out = out.data_ptr();
+  g.dtype = to_core_dtype(out.scalar_type());
+  g.epilogue = epilogue;
+  g.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  g.aux = aux.defined() ? aux.data_ptr() : nullptr;
+  g.residual = residual.defined() ? residual.data_ptr() : nullptr;
+  g.fp8 = &f8;
+  return run_gemm_epilogue(g, out);
+}
+
+Fp8Tensor fp8_cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format, bool row_major, bool transposed) {
+  return scaling == Fp8Scaling::kRow ? fp8_cast_rowwise(m, Fp8Format::kE4M3, row_major, transposed)
+                                     : fp8_cast(m, format, row_major, transposed);
+}
 
 Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed) {
   BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast: expected a 2-D tensor, got ", matrix.dim(), " dimensions");

@@ -17,6 +17,23 @@
 #endif
 
 namespace bmt::nn {
+
+bool run_gemm_epilogue(const core::kernels::GemmEpilogueArgs& g, const at::Tensor& like) {
+  if (!like.is_cuda()) {
+    core::kernels::gemm_epilogue_cpu(g);
+    return true;
+  }
+#ifdef BMT_WITH_CUDA
+  c10::cuda::CUDAGuard guard(like.device());
+  namespace k = core::kernels;
+  // (from the caching allocator, so it is ordered on this stream and lives in a CUDA graph's pool when captured)
+  const at::Tensor ws = at::empty({static_cast<int64_t>(k::kGemmEpilogueWorkspaceNbytes)}, like.options().dtype(at::kByte));
+  return k::gemm_epilogue_cuda(g, ws.data_ptr(), k::kGemmEpilogueWorkspaceNbytes, current_stream_handle(like));
+#else
+  BMT_ERROR("nn: an epilogue GEMM on CUDA tensors, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
+#endif
+}
+
 namespace {
 
 namespace k = core::kernels;
@@ -31,25 +48,8 @@ EnvChoice<GeluMlpBackward, 3> g_backward("BMT_GELU_MLP_BACKWARD", {{{"dgelu", Ge
 // One epilogue GEMM on row-major 2-D tensors: on CUDA cuBLASLt (false when it has no algorithm), on CPU the twin.
 bool run_gemm(k::GemmEpilogue epilogue, const at::Tensor& a, const at::Tensor& b, bool b_transposed,
               const at::Tensor& out, const at::Tensor& bias, const at::Tensor& aux, const at::Tensor& residual) {
-  const k::GemmEpilogueArgs g = gemm_epilogue_args(epilogue, a, b, b_transposed, out, bias, aux, residual);
-  if (!a.is_cuda()) {
-    k::gemm_epilogue_cpu(g);
-    return true;
-  }
-#ifdef BMT_WITH_CUDA
-  c10::cuda::CUDAGuard guard(a.device());
-  // (from the caching allocator, so it is ordered on this stream and lives in a CUDA graph's pool when captured)
-  const at::Tensor ws = at::empty({static_cast<int64_t>(k::kGemmEpilogueWorkspaceNbytes)}, a.options().dtype(at::kByte));
-  return k::gemm_epilogue_cuda(g, ws.data_ptr(), k::kGemmEpilogueWorkspaceNbytes, current_stream_handle(a));
-#else
-  BMT_ERROR("nn::gelu_mlp: CUDA tensors, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
-#endif
+  return run_gemm_epilogue(gemm_epilogue_args(epilogue, a, b, b_transposed, out, bias, aux, residual), out);
 }
-
-// cuBLASLt's DGELU kernels for small problems split K and round the partial sums to bf16 (H200: 0.0625 off at a
-// 128 x 768 output with K = 3072, tests/cuda/test_gemm_epilogue_cuda.cpp). The GPT shapes measured (16384 x 3072,
-// 16384 x 8192) ran whole-K kernels and matched the reference; small problems cost little done separately.
-constexpr int64_t kDGeluMinOutputs = int64_t{1} << 22;
 
 at::Tensor rows_of(const at::Tensor& t, int64_t width) { return t.contiguous().view({-1, width}); }
 

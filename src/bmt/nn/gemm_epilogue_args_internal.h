@@ -29,4 +29,13 @@ inline core::kernels::GemmEpilogueArgs gemm_epilogue_args(core::kernels::GemmEpi
   return g;
 }
 
+// cuBLASLt's DGELU kernels for small problems split K and round the partial sums to bf16 (H200: 0.0625 off at a
+// 128 x 768 output with K = 3072, tests/cuda/test_gemm_epilogue_cuda.cpp). The GPT shapes measured (16384 x 3072,
+// 16384 x 8192) ran whole-K kernels and matched the reference; small problems cost little done separately.
+constexpr int64_t kDGeluMinOutputs = int64_t{1} << 22;
+
+// Runs g on `like`'s device: the CPU twin for CPU tensors, else cuBLASLt on the current stream (false, having done
+// nothing, when it has no algorithm: the caller computes it another way).
+bool run_gemm_epilogue(const core::kernels::GemmEpilogueArgs& g, const at::Tensor& like);
+
 }  // namespace bmt::nn

@@ -85,8 +85,16 @@ void set_op(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attr, const 
   BMT_CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(op, attr, &v, sizeof(v)));
 }
 
-// (device, rows, cols, inner, b_transposed, dtype, epilogue, residual?, bias?, alignment, workspace) -> algorithm
-using ProblemKey = std::tuple<int, int64_t, int64_t, int64_t, bool, int, int, bool, bool, uint32_t, size_t>;
+cudaDataType_t fp8_type(Fp8Format f) { return f == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+// -1 without FP8 operands, else the formats and fast accumulation as bits (part of the algorithm's cache key)
+int fp8_code(const Fp8GemmOperands* f) {
+  if (!f) return -1;
+  return static_cast<int>(f->a_format) * 4 + static_cast<int>(f->b_format) * 2 + (f->fast_accum ? 1 : 0);
+}
+
+// (device, rows, cols, inner, b_transposed, dtype, epilogue, residual?, bias?, alignment, workspace, fp8) -> algorithm
+using ProblemKey = std::tuple<int, int64_t, int64_t, int64_t, bool, int, int, bool, bool, uint32_t, size_t, int>;
 struct CachedAlgo {
   bool found = false;
   cublasLtMatmulAlgo_t algo{};
@@ -101,6 +109,11 @@ bool gemm_epilogue_cuda(const GemmEpilogueArgs& g, void* workspace, size_t works
   if (g.aux && g.cols % 8 != 0) return false;                   // cuBLASLt: the aux leading dimension % 8 == 0
   const uint32_t align = common_alignment(g);
   if (align < 2) return false;
+  const Fp8GemmOperands* f8 = g.fp8;
+  if (f8) {  // cuBLASLt's FP8 GEMMs: "TN" only (A' = b transposed), 16-byte operands, not E5M2 x E5M2
+    if (!g.b_transposed || g.rows % 16 != 0 || g.cols % 16 != 0 || g.inner % 16 != 0 || align < 16) return false;
+    if (f8->a_format == Fp8Format::kE5M2 && f8->b_format == Fp8Format::kE5M2) return false;
+  }
   int device = 0;
   BMT_CHECK(cudaGetDevice(&device) == cudaSuccess, "gemm_epilogue_cuda: cudaGetDevice failed");
   cublasLtHandle_t handle = handle_for(device);
@@ -113,23 +126,29 @@ bool gemm_epilogue_cuda(const GemmEpilogueArgs& g, void* workspace, size_t works
   set_op(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
   set_op(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(g));
   if (g.bias) set_op(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<void*>(g.bias));
+  if (f8) {  // A' = b, B' = a: each dequantised by its own inverse scale
+    set_op(desc.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(f8->b_inv_scale));
+    set_op(desc.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(f8->a_inv_scale));
+    set_op(desc.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(f8->fast_accum ? 1 : 0));
+  }
   if (g.aux) {
     set_op(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(g.aux));
     set_op(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(g.cols));
   }
   // A' = b: column-major [inner, cols] (ld inner) read transposed, or [cols, inner] (ld cols) as is.
+  const cudaDataType_t a_type = f8 ? fp8_type(f8->b_format) : type, b_type = f8 ? fp8_type(f8->a_format) : type;
   if (g.b_transposed)
-    BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, type, g.inner, g.cols, g.inner));
+    BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, a_type, g.inner, g.cols, g.inner));
   else
-    BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, type, g.cols, g.inner, g.cols));
-  BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, type, g.inner, g.rows, g.inner));  // B' = a
+    BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, a_type, g.cols, g.inner, g.cols));
+  BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, b_type, g.inner, g.rows, g.inner));  // B' = a
   BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, type, g.cols, g.rows, g.cols));    // C' = D' = out
 
   static std::mutex cache_mu;
   static std::map<ProblemKey, CachedAlgo> cache;
   const ProblemKey key{device, g.rows, g.cols, g.inner, g.b_transposed, static_cast<int>(g.dtype),
                        static_cast<int>(g.epilogue), g.residual != nullptr, g.bias != nullptr, align,
-                       workspace_nbytes};
+                       workspace_nbytes, fp8_code(f8)};
   CachedAlgo algo;
   {
     std::lock_guard<std::mutex> lock(cache_mu);

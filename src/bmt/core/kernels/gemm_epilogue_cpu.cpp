@@ -5,6 +5,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/float_elements_cpu_internal.h"
+#include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
 
 namespace bmt::core::kernels {
@@ -62,19 +63,29 @@ void check_gemm_epilogue_args(const GemmEpilogueArgs& g, const char* op) {
   }
   BMT_CHECK(!g.residual || g.epilogue == GemmEpilogue::kBias, op, ": a residual is added only with the bias epilogue, not ",
             epi);
+  BMT_CHECK(!g.fp8 || (g.fp8->a_inv_scale && g.fp8->b_inv_scale), op, ": FP8 operands without their inverse scales");
 }
 
 void gemm_epilogue_cpu(const GemmEpilogueArgs& g) {
   check_gemm_epilogue_args(g, "gemm_epilogue_cpu");
   const DType dt = g.dtype;
+  // an operand's element: dtype, or FP8 bytes (the product is scaled by both inverse scales below)
+  auto operand = [&](const void* p, int64_t i, bool is_a) {
+    if (!g.fp8) return load(p, dt, i);
+    return static_cast<double>(
+        fp8_to_float(static_cast<const uint8_t*>(p)[i], is_a ? g.fp8->a_format : g.fp8->b_format));
+  };
+  const double product_scale =
+      g.fp8 ? static_cast<double>(*g.fp8->a_inv_scale) * static_cast<double>(*g.fp8->b_inv_scale) : 1.0;
   std::vector<double> bias_grad(g.epilogue == GemmEpilogue::kDGeluBGrad ? g.cols : 0, 0.0);
   for (int64_t r = 0; r < g.rows; ++r) {
     for (int64_t c = 0; c < g.cols; ++c) {
       double acc = 0.0;
       for (int64_t k = 0; k < g.inner; ++k) {
-        const double bv = g.b_transposed ? load(g.b, dt, c * g.inner + k) : load(g.b, dt, k * g.cols + c);
-        acc += load(g.a, dt, r * g.inner + k) * bv;
+        const double bv = operand(g.b, g.b_transposed ? c * g.inner + k : k * g.cols + c, false);
+        acc += operand(g.a, r * g.inner + k, true) * bv;
       }
+      acc *= product_scale;
       const int64_t o = r * g.cols + c;
       switch (g.epilogue) {
         case GemmEpilogue::kBias:

@@ -8,6 +8,11 @@
 //   out[rows, cols] = a[rows, inner] . op(b),  op(b) = b[cols, inner]^T (b_transposed, a Linear's weight) or
 //                                                       b[inner, cols]   (not transposed: an input gradient)
 // GELU is the tanh approximation (GPT-2's gelu_new; torch's gelu(approximate="tanh")).
+//
+// FP8 operands (args.fp8 set): a and b hold E4M3 / E5M2 bytes (nn::fp8_cast's layout), each dequantised by one
+// float, its per-tensor inverse scale: the product is (a_inv · b_inv) a.op(b), accumulated in fp32, and the epilogue
+// runs on it before the one rounding into dtype (the FP8 MLP's GELU, its gradient and the residual add, which
+// otherwise cost separate passes over bf16 activations).
 #pragma once
 
 #include <cstddef>
@@ -15,6 +20,7 @@
 #include <string>
 
 #include "bmt/core/dtype.h"
+#include "bmt/core/kernels/fp8_cast_internal.h"
 
 namespace bmt::core::kernels {
 
@@ -25,6 +31,13 @@ enum class GemmEpilogue : int8_t {
   kDGelu,        // out = a.op(b) * gelu'(aux), no bias gradient
 };
 const char* gemm_epilogue_name(GemmEpilogue e);
+
+struct Fp8GemmOperands {
+  Fp8Format a_format = Fp8Format::kE4M3, b_format = Fp8Format::kE4M3;
+  const float* a_inv_scale = nullptr;  // one float, in the operands' memory (device for CUDA, host for the twin)
+  const float* b_inv_scale = nullptr;
+  bool fast_accum = false;  // Hopper's faster, coarser accumulation (forward GEMMs; the twin ignores it)
+};
 
 struct GemmEpilogueArgs {
   int64_t rows = 0, cols = 0, inner = 0;
@@ -37,6 +50,7 @@ struct GemmEpilogueArgs {
   void* bias = nullptr;            // [cols]: read (kBias, kGeluAuxBias; may be null for kBias) or written (kDGeluBGrad)
   void* aux = nullptr;             // [rows, cols]: written (kGeluAuxBias) or read (kDGeluBGrad, kDGelu)
   const void* residual = nullptr;  // [rows, cols], added to the output (kBias only; may be null)
+  const Fp8GemmOperands* fp8 = nullptr;  // set: a and b are FP8 (dtype is then the other matrices' and vectors')
 };
 
 // Checks shapes, pointers and the epilogue's operands; throws naming what is missing.
@@ -52,7 +66,8 @@ void gemm_epilogue_cpu(const GemmEpilogueArgs& args);
 
 // CUDA variant (builds with BMT_WITH_CUDA): bf16 and fp16, fp32 accumulation, asynchronous on `stream`.
 // Returns false, having done nothing, when cuBLASLt has no algorithm for the problem (or the operands' alignment,
-// or cols % 8 != 0 with an aux matrix): the caller computes it another way. Throws on a cuBLASLt error.
+// or cols % 8 != 0 with an aux matrix; with FP8 operands: b not transposed, a dimension not a multiple of 16, both
+// E5M2): the caller computes it another way. Throws on a cuBLASLt error.
 // `workspace`: device memory of workspace_nbytes (kGemmEpilogueWorkspaceNbytes is plenty), free for the call.
 constexpr size_t kGemmEpilogueWorkspaceNbytes = size_t{32} << 20;
 bool gemm_epilogue_cuda(const GemmEpilogueArgs& args, void* workspace, size_t workspace_nbytes, void* stream);

@@ -1,0 +1,30 @@
+// The FP8 GEMM pieces nn::fp8_linear and nn::fp8_gelu_mlp share (defined in fp8_linear.cpp and fp8_mlp.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "bmt/core/kernels/gemm_epilogue_internal.h"
+#include "bmt/nn/fp8_linear.h"
+
+namespace bmt::nn {
+
+// a [m, k] x b [n, k]^T (both row-major FP8), dequantised by the inverse scales (0-dim: per tensor; [m] and [n]:
+// per row) into out_dtype, bias added (in the GEMM's epilogue where cuBLASLt takes it). fast_accum: forward only.
+at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at::Tensor& b, const at::Tensor& b_inv,
+                         at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias);
+
+// fp8_cast (per tensor, `format`) or fp8_cast_rowwise (kRow: E4M3 whatever `format` says, as _scaled_mm's rowwise
+// GEMMs take).
+Fp8Tensor fp8_cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format, bool row_major, bool transposed);
+
+// One epilogue GEMM (core/kernels/gemm_epilogue) on per-tensor FP8 operands: out = epilogue((a_inv b_inv) a b^T)
+// with a [rows, inner] and b [cols, inner] row-major, out / bias / aux / residual in out's dtype (undefined: none).
+// CPU tensors run the fp64 twin; CUDA ones cuBLASLt, false (nothing done) when it has no algorithm.
+bool fp8_gemm_epilogue(core::kernels::GemmEpilogue epilogue, const at::Tensor& a, Fp8Format a_format,
+                       const at::Tensor& a_inv, const at::Tensor& b, Fp8Format b_format, const at::Tensor& b_inv,
+                       bool fast_accum, const at::Tensor& out, const at::Tensor& bias, const at::Tensor& aux,
+                       const at::Tensor& residual);
+
+}  // namespace bmt::nn

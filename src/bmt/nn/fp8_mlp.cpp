@@ -1,0 +1,182 @@
+#include "bmt/nn/fp8_mlp.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/autograd.h>
+
+#include <optional>
+
+#include "bmt/core/error.h"
+#include "bmt/nn/fp8_gemm_internal.h"
+#include "bmt/nn/fused_linear.h"
+#include "bmt/nn/fused_reductions.h"
+#include "bmt/nn/gemm_epilogue_args_internal.h"
+
+namespace bmt::nn {
+namespace {
+
+namespace k = core::kernels;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+constexpr Fp8Format kE4M3 = Fp8Format::kE4M3;
+
+std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
+  std::vector<int64_t> s(sizes.begin(), sizes.end());
+  s.back() = last;
+  return s;
+}
+
+struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
+  // grad: the backward will run (known outside: grad mode is off in here), so the transposed copies wgrad needs
+  // are cast in the same passes; epilogues: try the epilogue GEMMs (CPU: the fp64 twin)
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
+                            const at::Tensor& w_proj, const at::Tensor& b_proj,
+                            const std::optional<at::Tensor>& residual, int64_t grad_format, bool grad,
+                            bool compute_output, bool epilogues) {
+    const int64_t in = w_fc.size(1), hidden = w_fc.size(0), out = w_proj.size(0);
+    const at::Tensor x2 = x.contiguous().view({-1, in});
+    const int64_t rows = x2.size(0);
+    const at::ScalarType dtype = x.scalar_type();
+    const Fp8Tensor xq = fp8_cast(x2, kE4M3, true, grad);
+    const Fp8Tensor w1q = fp8_cast(w_fc, kE4M3, true, false);
+    const at::Tensor b1 = b_fc.contiguous();
+    at::Tensor pre = at::empty({rows, hidden}, x.options()), h = at::empty_like(pre);
+    if (!(epilogues && fp8_gemm_epilogue(k::GemmEpilogue::kGeluAuxBias, xq.data, kE4M3, xq.inv, w1q.data, kE4M3,
+                                         w1q.inv, /*fast_accum=*/true, h, b1, pre, at::Tensor()))) {
+      pre = fp8_scaled_mm(xq.data, xq.inv, w1q.data, w1q.inv, dtype, true, b1);
+      h = at::gelu(pre, "tanh");
+    }
+    // (compute_output = false, a recompute's tail: only wgrad's transposed copy of h)
+    const Fp8Tensor hq = fp8_cast(h, kE4M3, compute_output, grad);
+    at::Tensor y;
+    if (compute_output) {
+      const Fp8Tensor w2q = fp8_cast(w_proj, kE4M3, true, false);
+      const at::Tensor b2 = b_proj.contiguous();
+      const at::Tensor res2 = residual ? residual->contiguous().view({-1, out}) : at::Tensor();
+      y = at::empty({rows, out}, x.options());
+      if (!(epilogues && fp8_gemm_epilogue(k::GemmEpilogue::kBias, hq.data, kE4M3, hq.inv, w2q.data, kE4M3, w2q.inv,
+                                           true, y, b2, at::Tensor(), res2))) {
+        y = fp8_scaled_mm(hq.data, hq.inv, w2q.data, w2q.inv, dtype, true, b2);
+        if (res2.defined()) y.add_(res2);
+      }
+    } else {
+      y = deferred_output({rows, out}, x.options());
+    }
+    ctx->save_for_backward({xq.data_t, xq.inv, hq.data_t, hq.inv, w_fc, w_proj, pre});
+    ctx->saved_data["grad_format"] = grad_format;
+    ctx->saved_data["has_residual"] = residual.has_value();
+    ctx->saved_data["epilogues"] = epilogues;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    // (_unsafe_view: a view made inside a custom function could not be modified in place by the caller)
+    return at::_unsafe_view(y, with_last(x.sizes(), out));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &xt8 = saved[0], &x_inv = saved[1], &ht8 = saved[2], &h_inv = saved[3], &w_fc = saved[4],
+                     &w_proj = saved[5], &pre = saved[6];
+    const auto gf = static_cast<Fp8Format>(ctx->saved_data["grad_format"].toInt());
+    const bool epilogues = ctx->saved_data["epilogues"].toBool();
+    const int64_t out = w_proj.size(0);
+    const at::Tensor dy2 = grads[0].contiguous().view({-1, out});
+    const at::ScalarType dtype = grads[0].scalar_type();
+    const bool want_dpre = ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
+    const bool want_dw2 = ctx->needs_input_grad(3);
+    at::Tensor dx, dw1, db1, dw2, db2, dres;
+    if (want_dpre || want_dw2) {
+      const Fp8Tensor dyq = fp8_cast(dy2, gf, want_dpre, want_dw2);
+      if (want_dw2) dw2 = fp8_scaled_mm(dyq.data_t, dyq.inv, ht8, h_inv, w_proj.scalar_type(), false, std::nullopt);
+      if (want_dpre) {
+        // d pre = (dy w_proj) * gelu'(pre): GELU's gradient in the GEMM's epilogue (large problems, see
+        // kDGeluMinOutputs), else after it
+        const Fp8Tensor w2t = fp8_cast(w_proj, kE4M3, false, true);  // w_proj^T [hidden, out] row-major
+        at::Tensor dpre = at::empty_like(pre);
+        const bool done = epilogues && (!pre.is_cuda() || pre.numel() >= kDGeluMinOutputs) &&
+                          fp8_gemm_epilogue(k::GemmEpilogue::kDGelu, dyq.data, gf, dyq.inv, w2t.data_t, kE4M3,
+                                            w2t.inv, false, dpre, at::Tensor(), pre, at::Tensor());
+        if (!done)
+          dpre = at::gelu_backward(fp8_scaled_mm(dyq.data, dyq.inv, w2t.data_t, w2t.inv, dtype, false, std::nullopt),
+                                   pre, "tanh");
+        if (ctx->needs_input_grad(2)) db1 = column_sum(dpre, w_fc.scalar_type());
+        const Fp8Tensor dpq = fp8_cast(dpre, gf, ctx->needs_input_grad(0), ctx->needs_input_grad(1));
+        if (ctx->needs_input_grad(0)) {
+          const Fp8Tensor w1t = fp8_cast(w_fc, kE4M3, false, true);  // w_fc^T [in, hidden] row-major
+          dx = fp8_scaled_mm(dpq.data, dpq.inv, w1t.data_t, w1t.inv, dtype, false, std::nullopt)
+                   .view(ctx->saved_data["x_sizes"].toIntVector());
+        }
+        if (ctx->needs_input_grad(1)) dw1 = fp8_scaled_mm(dpq.data_t, dpq.inv, xt8, x_inv, w_fc.scalar_type(), false,
+                                                          std::nullopt);
+      }
+    }
+    if (ctx->needs_input_grad(4)) db2 = column_sum(dy2, w_proj.scalar_type());
+    if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(5)) dres = grads[0];
+    return {dx, dw1, db1, dw2, db2, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+void check_fp8_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
+                   const at::Tensor& b_proj, const at::Tensor& residual) {
+  BMT_CHECK(w_fc.defined() && w_fc.dim() == 2 && x.dim() >= 1 && x.size(-1) == w_fc.size(1),
+            "nn::fp8_gelu_mlp: input ", x.sizes(), " does not match c_fc weight ",
+            w_fc.defined() ? w_fc.sizes() : at::IntArrayRef());
+  BMT_CHECK(w_proj.defined() && w_proj.dim() == 2 && w_proj.size(1) == w_fc.size(0),
+            "nn::fp8_gelu_mlp: c_proj weight ", w_proj.defined() ? w_proj.sizes() : at::IntArrayRef(),
+            " does not take c_fc's ", w_fc.size(0), " features");
+  BMT_CHECK(!b_fc.defined() || (b_fc.dim() == 1 && b_fc.size(0) == w_fc.size(0)), "nn::fp8_gelu_mlp: c_fc bias ",
+            b_fc.sizes(), " does not match its ", w_fc.size(0), " output features");
+  BMT_CHECK(!b_proj.defined() || (b_proj.dim() == 1 && b_proj.size(0) == w_proj.size(0)),
+            "nn::fp8_gelu_mlp: c_proj bias ", b_proj.sizes(), " does not match its ", w_proj.size(0),
+            " output features");
+  const auto out_sizes = with_last(x.sizes(), w_proj.size(0));
+  BMT_CHECK(!residual.defined() || residual.sizes() == at::IntArrayRef(out_sizes), "nn::fp8_gelu_mlp: residual ",
+            residual.sizes(), " does not match the output ", at::IntArrayRef(out_sizes));
+}
+
+// Every operand of x's dtype and device, and GEMM shapes the FP8 path takes.
+bool fused_operands(std::initializer_list<const at::Tensor*> ts, const at::Tensor& x, const at::Tensor& w_fc,
+                    const at::Tensor& w_proj) {
+  for (const at::Tensor* t : ts)
+    if (!t->defined() || t->scalar_type() != x.scalar_type() || t->device() != x.device()) return false;
+  return fp8_linear_applies(x, w_fc) && w_proj.size(0) % 16 == 0;
+}
+
+at::Tensor apply(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
+                 const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format, bool compute_output) {
+  const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || w_fc.requires_grad() ||
+                                                   w_proj.requires_grad() || b_fc.requires_grad());
+  return Fp8GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
+                             residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt,
+                             static_cast<int64_t>(grad_format), grad, compute_output, /*epilogues=*/true);
+}
+
+}  // namespace
+
+at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
+                              const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
+                              Fp8Format grad_format, bool compute_output) {
+  check_fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
+  BMT_CHECK(b_fc.defined() && b_proj.defined(), "nn::fp8_gelu_mlp_fused: c_fc and c_proj need biases");
+  BMT_CHECK(fused_operands({&w_fc, &b_fc, &w_proj, &b_proj}, x, w_fc, w_proj) &&
+                (!residual.defined() || fused_operands({&residual}, x, w_fc, w_proj)),
+            "nn::fp8_gelu_mlp_fused: needs operands of one dtype and device and GEMM dimensions that are multiples "
+            "of 16 (rows ", x.numel() / std::max<int64_t>(x.size(-1), 1), ", features ", w_fc.size(1), ", ",
+            w_fc.size(0), ", ", w_proj.size(0), ")");
+  return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output);
+}
+
+at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
+                        const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format,
+                        bool compute_output) {
+  check_fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
+  // (under autocast the ops inside would run in another dtype than the backward's operands)
+  const bool fused = fp8_scaling() == Fp8Scaling::kTensor && gemm_epilogues_enabled() && x.is_cuda() &&
+                     !at::autocast::is_autocast_enabled(at::kCUDA) &&
+                     fused_operands({&w_fc, &b_fc, &w_proj, &b_proj}, x, w_fc, w_proj) &&
+                     (!residual.defined() || fused_operands({&residual}, x, w_fc, w_proj));
+  if (fused) return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output);
+  const Fp8Scaling scaling = fp8_scaling();
+  const at::Tensor h = at::gelu(fp8_linear(x, w_fc, b_fc, grad_format, scaling), "tanh");
+  const at::Tensor y = fp8_linear(h, w_proj, b_proj, grad_format, scaling, compute_output);
+  return residual.defined() ? residual + y : y;
+}
+
+}  // namespace bmt::nn
