@@ -14,7 +14,7 @@
 #include <limits>
 
 #include "bmt/core/kernels/fp8_cast_internal.h"
-#include "bmt/nn/fp8_gemm_internal.h"
+#include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fp8_linear.h"
 #include "bmt/nn/fp8_mlp.h"
 #include "bmt/nn/fused_linear.h"

@@ -11,7 +11,7 @@
 #include <cmath>
 
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
-#include "bmt/nn/fp8_gemm_internal.h"
+#include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fp8_mlp.h"
 #include "bmt/nn/fused_linear.h"
 

@@ -1,5 +1,5 @@
 #include "bmt/nn/fp8_linear.h"
-#include "bmt/nn/fp8_gemm_internal.h"
+#include "bmt/nn/fp8_linear_internal.h"
 
 #include <torch/autograd.h>
 

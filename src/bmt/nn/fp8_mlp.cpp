@@ -6,7 +6,7 @@
 #include <optional>
 
 #include "bmt/core/error.h"
-#include "bmt/nn/fp8_gemm_internal.h"
+#include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"

@@ -1,4 +1,4 @@
-// The FP8 GEMM pieces nn::fp8_linear and nn::fp8_gelu_mlp share (defined in fp8_linear.cpp and fp8_mlp.cpp).
+// The FP8 GEMM pieces nn::fp8_linear shares with nn::fp8_gelu_mlp (defined in fp8_linear.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
