@@ -43,7 +43,9 @@ at::Tensor GptAttentionImpl::forward(const at::Tensor& x, const at::Tensor& shap
       bmt::nn::causal_attention(split_heads(qkv[0], heads), split_heads(qkv[1], heads), split_heads(qkv[2], heads));
   const at::Tensor rows = batch_to_rows(merge_heads(y), shape);
   if (bmt::nn::Linear proj = c_proj.dense()) {
-    if (proj->fp8) return residual + proj->forward(rows);  // (FP8: no residual epilogue in this version)
+    if (proj->fp8)
+      return bmt::nn::fp8_linear_residual(rows, bmt::gathered(proj->weight), bmt::gathered(proj->bias), residual,
+                                          bmt::nn::fp8_grad_format(), bmt::nn::fp8_scaling());
     return bmt::nn::linear_residual(rows, bmt::gathered(proj->weight), bmt::gathered(proj->bias), residual);
   }
   return residual + c_proj.forward(rows);  // (row-parallel: the add follows the reduction over tp)

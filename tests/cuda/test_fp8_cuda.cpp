@@ -281,3 +281,25 @@ TEST(Fp8GeluMlpCuda, FusedMatchesTheSeparatePathAndTheCpuTwin) {
     EXPECT_LT(rel(fused.db2, other.db2), 0.05) << name;
   }
 }
+
+// nn::fp8_linear_residual on the GPU (the residual in the FP8 GEMM's epilogue) against residual + fp8_linear (a
+// second rounding after the GEMM): one bf16 rounding of the output apart; the gradients are the same computation.
+TEST(Fp8LinearCuda, ResidualInTheEpilogueMatchesTheSeparateAdd) {
+  if (!fp8_gemm_device()) GTEST_SKIP() << "no CUDA device with FP8 tensor cores (8.9+)";
+  at::manual_seed(28);
+  const auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16).cuda(); };
+  const at::Tensor x0 = bf(at::randn({512, 768})), w0 = bf(at::randn({768, 768}) * 0.04), b0 = bf(at::randn({768}));
+  const at::Tensor r0 = bf(at::randn({512, 768})), g = bf(at::randn({512, 768}));
+  auto run = [&](bool fused) {
+    at::Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+    at::Tensor r = r0.clone().requires_grad_();
+    const at::Tensor y = fused ? bmt::nn::fp8_linear_residual(x, w, b, r) : r + bmt::nn::fp8_linear(x, w, b);
+    y.backward(g);
+    return std::vector<at::Tensor>{y.detach().cpu(), x.grad().cpu(), w.grad().cpu(), b.grad().cpu(), r.grad().cpu()};
+  };
+  const auto fused = run(true), separate = run(false);
+  const at::Tensor yf = fused[0].to(at::kDouble), ys = separate[0].to(at::kDouble);
+  EXPECT_TRUE(((yf - ys).abs() <= ys.abs() * (1.0 / 128) + 1e-2).all().item<bool>())
+      << "max difference " << (yf - ys).abs().max().item<double>();
+  for (size_t i = 1; i < fused.size(); ++i) EXPECT_TRUE(at::equal(fused[i], separate[i])) << "gradient " << i;
+}

@@ -296,3 +296,28 @@ TEST(Fp8Linear, ScalingSwitchParsesAndSets) {
   bmt::nn::set_fp8_scaling(before);
   EXPECT_EQ(bmt::nn::fp8_scaling(), before);
 }
+
+TEST(Fp8Linear, ResidualVariantIsTheResidualPlusTheLinear) {
+  at::manual_seed(8);
+  const at::Tensor x0 = at::randn({2, 16, 64}), w0 = at::randn({32, 64}) * 0.1, b0 = at::randn({32});
+  const at::Tensor r0 = at::randn({2, 16, 32}), g = at::randn({2, 16, 32});
+  auto run = [&](bool fused) {
+    at::Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+    at::Tensor r = r0.clone().requires_grad_();
+    const at::Tensor y = fused ? bmt::nn::fp8_linear_residual(x, w, b, r) : r + bmt::nn::fp8_linear(x, w, b);
+    y.backward(g);
+    return std::vector<at::Tensor>{y.detach(), x.grad(), w.grad(), b.grad(), r.grad()};
+  };
+  const auto fused = run(true), separate = run(false);
+  // (on CPUs the residual is added after the GEMM: the same ops in the same order)
+  for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(at::equal(fused[i], separate[i])) << "output/gradient " << i;
+  EXPECT_TRUE(at::equal(fused[4], g)) << "the residual's gradient is dy";
+  try {
+    bmt::nn::fp8_linear_residual(x0, w0, b0, at::randn({2, 16, 16}));
+    ADD_FAILURE() << "a residual of the wrong shape was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("residual [2, 16, 16] does not match the output [2, 16, 32]"),
+              std::string::npos)
+        << e.what();
+  }
+}

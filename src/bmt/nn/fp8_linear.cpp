@@ -41,8 +41,8 @@ std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
 
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, int64_t grad_format, int64_t scaling_id,
-                            bool want_dx, bool want_dw, bool compute) {
+                            const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                            int64_t grad_format, int64_t scaling_id, bool want_dx, bool want_dw, bool compute) {
     const int64_t in = weight.size(1), out = weight.size(0);
     const auto scaling = static_cast<Fp8Scaling>(scaling_id);
     const at::Tensor x2 = x.contiguous().view({-1, in});
@@ -52,8 +52,20 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     at::Tensor y;
     if (compute) {
       const Fp8Tensor wq = fp8_cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
+      const at::Tensor res2 = residual ? residual->contiguous().view({-1, out}) : at::Tensor();
+      // a residual: added by the GEMM's epilogue (per tensor, CUDA, where cuBLASLt has an algorithm), else after
+      bool done = false;
+      if (res2.defined() && scaling == Fp8Scaling::kTensor && x.is_cuda()) {
+        y = at::empty({x2.size(0), out}, x.options());
+        done = fp8_gemm_epilogue(k::GemmEpilogue::kBias, xq.data, Fp8Format::kE4M3, xq.inv, wq.data, Fp8Format::kE4M3,
+                                 wq.inv, /*fast_accum=*/true, y, bias ? bias->contiguous() : at::Tensor(),
+                                 at::Tensor(), res2);
+      }
       // (the fused bias was cleared of the CUBLAS_STATUS_NOT_SUPPORTED of 81f1cd3 by the session-13 probe on an H200)
-      y = fp8_scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), /*fast_accum=*/true, bias);
+      if (!done) {
+        y = fp8_scaled_mm(xq.data, xq.inv_scale(), wq.data, wq.inv_scale(), x.scalar_type(), /*fast_accum=*/true, bias);
+        if (res2.defined()) y.add_(res2);
+      }
     } else {
       y = deferred_output({x2.size(0), out}, x.options());
     }
@@ -62,6 +74,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     ctx->saved_data["grad_format"] = grad_format;
     ctx->saved_data["scaling"] = scaling_id;
     ctx->saved_data["has_bias"] = bias.has_value();  // (an absent optional input has no gradient slot to ask about)
+    ctx->saved_data["has_residual"] = residual.has_value();
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     // (_unsafe_view: a view made inside a custom function could not be modified in place by the caller)
@@ -90,7 +103,9 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
       if (want_dw) dw = fp8_scaled_mm(dyq.data_t, dyq.inv_scale_t(), xt8, x_inv, w_dtype, false, std::nullopt);
     }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = column_sum(dy2, w_dtype);
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor dres;
+    if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(3)) dres = grads[0];
+    return {dx, dw, db, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -235,9 +250,29 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
     return compute_output ? linear(x, weight, bias) : linear_deferred(x, weight, bias);
   // (what the backward will need, known here: inside the Function's forward grad mode is off)
   const bool grad = at::GradMode::is_enabled();
-  return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+  return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, std::nullopt,
                             static_cast<int64_t>(grad_format), static_cast<int64_t>(scaling),
                             grad && x.requires_grad(), grad && weight.requires_grad(), compute_output);
+}
+
+at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& residual, Fp8Format grad_format, Fp8Scaling scaling) {
+  BMT_CHECK(weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
+            "nn::fp8_linear_residual: input ", x.sizes(), " does not match weight ",
+            weight.defined() ? weight.sizes() : at::IntArrayRef());
+  BMT_CHECK(residual.defined() && residual.sizes() == at::IntArrayRef(with_last(x.sizes(), weight.size(0))),
+            "nn::fp8_linear_residual: residual ", residual.defined() ? residual.sizes() : at::IntArrayRef(),
+            " does not match the output ", at::IntArrayRef(with_last(x.sizes(), weight.size(0))));
+  if (!fp8_linear_applies(x, weight) || (bias.defined() && bias.scalar_type() != x.scalar_type()) ||
+      residual.scalar_type() != x.scalar_type() || residual.device() != x.device())
+    return residual + fp8_linear(x, weight, bias, grad_format, scaling);
+  BMT_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), "nn::fp8_linear_residual: bias ",
+            bias.sizes(), " does not match weight ", weight.sizes());
+  const bool grad = at::GradMode::is_enabled();
+  return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                            std::optional<at::Tensor>(residual), static_cast<int64_t>(grad_format),
+                            static_cast<int64_t>(scaling), grad && x.requires_grad(), grad && weight.requires_grad(),
+                            true);
 }
 
 at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,

@@ -34,6 +34,11 @@ enum class Fp8Scaling { kTensor, kRow };
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = at::Tensor(),
                       Fp8Format grad_format = Fp8Format::kE5M2, Fp8Scaling scaling = Fp8Scaling::kTensor,
                       bool compute_output = true);
+// residual + x weight^T + bias with fp8_linear's numerics, the residual added by the FP8 GEMM's epilogue on CUDA with
+// per-tensor scales (one rounding of the sum, no separate pass), else after the GEMM. residual: the output's shape.
+at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               const at::Tensor& residual, Fp8Format grad_format = Fp8Format::kE5M2,
+                               Fp8Scaling scaling = Fp8Scaling::kTensor);
 // The GEMM of a layer with an FP8 switch (nn::Linear, the tensor-parallel layers): fp8_linear with the process's
 // settings (fp8_grad_format(), fp8_scaling()) when `fp8`, else nn::linear (nn::linear_deferred without the output).
 at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,
