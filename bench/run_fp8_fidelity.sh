@@ -14,7 +14,8 @@
 #            bf16 run from another init and data order); e.g. "bf16 fp8 fp8_e4m3grad fp8_row fp8_ends bf16_seed2"
 #   FIDELITY_STEPS=1000     training steps per run
 #   FIDELITY_SMOKE=1        the tiny preset for 40 steps on the CPU (a check of the script, not a measurement)
-#   FIDELITY_BUDGET_S=560   wall-clock budget; each run's timeout is what is left
+#   FIDELITY_BUDGET_S=560   wall-clock budget; each run's timeout is what is left, and a run starts only while at
+#                           least FIDELITY_MIN_LEFT_S=30 seconds are left
 #   FIDELITY_CORPUS=PATH    train on this text file instead (kept); FIDELITY_TRAIN_GPT=PATH the train_gpt binary
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +67,7 @@ for cfg in "${CONFIGS[@]}"; do
   for run in "${RUNS[@]}"; do
     id=${cfg}_$run
     left=$((BENCH_BUDGET - ($(date +%s) - BENCH_START)))
-    if [ "$left" -lt 30 ]; then echo "[fp8_fidelity] $id: skipped (time budget)"; continue; fi
+    if [ "$left" -lt "${FIDELITY_MIN_LEFT_S:-30}" ]; then echo "[fp8_fidelity] $id: skipped (time budget)"; continue; fi
     run_recipe "$run"
     t0=$(date +%s)
     rm -f "$LOGDIR/$id.metrics.jsonl"
