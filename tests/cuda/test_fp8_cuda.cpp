@@ -209,6 +209,8 @@ TEST(Fp8GemmEpilogueCuda, MatchesTheCpuTwin) {
     const at::Tensor aq_c = aq.data.cpu(), ai_c = aq.inv.cpu(), wq_c = wq.data.cpu(), wi_c = wq.inv.cpu();
     const at::Tensor bias = at::randn({s.cols}).to(at::kBFloat16), res = at::randn({s.rows, s.cols}).to(at::kBFloat16);
     const double floor = 1e-4 * std::sqrt(static_cast<double>(s.inner));
+    const at::Tensor abs_product = (aq_c.to(at::kDouble).abs() * ai_c.item<double>())
+                                       .mm((wq_c.to(at::kDouble).abs() * wi_c.item<double>()).t());
     auto both = [&](k::GemmEpilogue e, bool fast, const at::Tensor& b, const at::Tensor& aux_in, const at::Tensor& r,
                     at::Tensor* aux_out_gpu, at::Tensor* aux_out_cpu) {
       const bool keeps_aux = e == k::GemmEpilogue::kGeluAuxBias;
@@ -222,8 +224,13 @@ TEST(Fp8GemmEpilogueCuda, MatchesTheCpuTwin) {
       if (aux_out_gpu) *aux_out_gpu = aux_g, *aux_out_cpu = aux_c;
       if (!ran) return false;
       const at::Tensor g = got.cpu().to(at::kDouble), wd = want.to(at::kDouble);
-      const double slack = fast ? 1.0 / 32 : 1.0 / 128;  // fast accumulation: coarser partial sums
-      const at::Tensor err = (g - wd).abs(), allowed = at::maximum(g.abs(), wd.abs()) * slack + floor;
+      // fast accumulation keeps ~14 mantissa bits in its partial sums (see MatchesTheCpuPathClosely): each of the
+      // `inner` additions may round 2^-14 of the running sum, bounded by sum_k |a||b| (an H100 showed 0.031 at a
+      // product of 8.4 with K = 768, more than one bf16 rounding of the result)
+      at::Tensor allowed = at::maximum(g.abs(), wd.abs()) * (1.0 / 128) + floor;
+      if (fast) allowed = allowed + abs_product * (static_cast<double>(s.inner) * std::ldexp(1.0, -14));
+      if (e == k::GemmEpilogue::kGeluAuxBias && fast) allowed = allowed * 1.2;  // GELU's slope is at most ~1.13
+      const at::Tensor err = (g - wd).abs();
       EXPECT_TRUE((err <= allowed).all().item<bool>())
           << what << " " << k::gemm_epilogue_name(e) << (fast ? " fast" : "") << ": max error "
           << err.max().item<double>() << " at magnitude " << wd.abs().max().item<double>();
@@ -248,15 +255,15 @@ TEST(Fp8GeluMlpCuda, FusedMatchesTheSeparatePathAndTheCpuTwin) {
   if (!fp8_gemm_device()) GTEST_SKIP() << "no CUDA device with FP8 tensor cores (8.9+)";
   at::manual_seed(27);
   auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16); };
-  // 2048 x 2048 outputs of c_fc: above the DGELU epilogue's size floor (kDGeluMinOutputs), so it is tried
-  const int64_t rows = 2048, in = 256, hidden = 2048, out = 256;
+  // (small enough for the fp64 twin; the GEMM shapes of a GPT layer are in Fp8GemmEpilogueCuda above)
+  const int64_t rows = 512, in = 256, hidden = 1024, out = 256;
   const at::Tensor x = bf(at::randn({rows, in})), w1 = bf(at::randn({hidden, in}) * 0.06), b1 = bf(at::randn({hidden}) * 0.1);
   const at::Tensor w2 = bf(at::randn({out, hidden}) * 0.02), b2 = bf(at::randn({out}) * 0.1), r = bf(at::randn({rows, out}));
   const at::Tensor g = bf(at::randn({rows, out}));
   struct Result { at::Tensor y, dx, dw1, db1, dw2, db2; };
   auto run = [&](at::Device dev, bool fused_cpu) {
     std::vector<at::Tensor> p;
-    for (const at::Tensor& t : {x, w1, b1, w2, b2, r}) p.push_back(t.to(dev).requires_grad_());
+    for (const at::Tensor& t : {x, w1, b1, w2, b2, r}) p.push_back(t.detach().to(dev).clone().requires_grad_());
     const at::Tensor y = fused_cpu ? bmt::nn::fp8_gelu_mlp_fused(p[0], p[1], p[2], p[3], p[4], p[5], bmt::nn::Fp8Format::kE5M2)
                                    : bmt::nn::fp8_gelu_mlp(p[0], p[1], p[2], p[3], p[4], p[5], bmt::nn::Fp8Format::kE5M2);
     y.backward(g.to(dev));

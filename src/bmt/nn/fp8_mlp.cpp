@@ -10,6 +10,7 @@
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
+#include "bmt/runtime/env_switch_internal.h"
 
 namespace bmt::nn {
 namespace {
@@ -18,6 +19,11 @@ namespace k = core::kernels;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 constexpr Fp8Format kE4M3 = Fp8Format::kE4M3;
+// Which FP8 epilogue GEMMs run (each falls back to the GEMM then the separate op). cuBLASLt runs the FP8 DGELU as
+// the GEMM plus a separate epilogue kernel (H100 profile, 1.3B: 1.15 ms per layer, slower than torch's GELU
+// backward), so it is off unless BMT_FP8_MLP_DGELU=1; the forward GELU (BMT_FP8_MLP_GELU) is on.
+EnvSwitch g_dgelu("BMT_FP8_MLP_DGELU", false);
+EnvSwitch g_gelu("BMT_FP8_MLP_GELU", true);
 
 std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
   std::vector<int64_t> s(sizes.begin(), sizes.end());
@@ -40,7 +46,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     const Fp8Tensor w1q = fp8_cast(w_fc, kE4M3, true, false);
     const at::Tensor b1 = b_fc.contiguous();
     at::Tensor pre = at::empty({rows, hidden}, x.options()), h = at::empty_like(pre);
-    if (!(epilogues && fp8_gemm_epilogue(k::GemmEpilogue::kGeluAuxBias, xq.data, kE4M3, xq.inv, w1q.data, kE4M3,
+    if (!(epilogues && (g_gelu.enabled() || !x.is_cuda()) && fp8_gemm_epilogue(k::GemmEpilogue::kGeluAuxBias, xq.data, kE4M3, xq.inv, w1q.data, kE4M3,
                                          w1q.inv, /*fast_accum=*/true, h, b1, pre, at::Tensor()))) {
       pre = fp8_scaled_mm(xq.data, xq.inv, w1q.data, w1q.inv, dtype, true, b1);
       h = at::gelu(pre, "tanh");
@@ -90,7 +96,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
         // kDGeluMinOutputs), else after it
         const Fp8Tensor w2t = fp8_cast(w_proj, kE4M3, false, true);  // w_proj^T [hidden, out] row-major
         at::Tensor dpre = at::empty_like(pre);
-        const bool done = epilogues && (!pre.is_cuda() || pre.numel() >= kDGeluMinOutputs) &&
+        const bool done = epilogues && (!pre.is_cuda() || (g_dgelu.enabled() && pre.numel() >= kDGeluMinOutputs)) &&
                           fp8_gemm_epilogue(k::GemmEpilogue::kDGelu, dyq.data, gf, dyq.inv, w2t.data_t, kE4M3,
                                             w2t.inv, false, dpre, at::Tensor(), pre, at::Tensor());
         if (!done)
