@@ -4,6 +4,7 @@ fp8_ends, bf16_seed2 ... as bench/run_fp8_fidelity.sh names them). Appends to --
 bmt, kind fp8_fidelity, variant, fp8, the held-out curve, the final held-out and training losses, tokens/s) and one
 comparison row per variant against bf16 (the final held-out losses' relative difference, whether it is within 1%,
 whether either run diverged: a non-finite loss, or a held-out loss that ends above its minimum by more than 10%),
+and, where a recipe and bf16 both ran with 2+ seeds (NAME_seedN), one on the seed means (with bf16's seed spread),
 all with $BMT_CALL_ID; writes --svg, the held-out curves and the training losses of bf16 and the first variant (a
 20-step running mean) on one chart. Prints one verdict line per variant."""
 import argparse
@@ -80,6 +81,11 @@ def svg(path, title, series):
     os.replace(tmp, path)
 
 
+def recipe(name):
+    """A run's name without its seed: fp8_ends_seed2 -> fp8_ends."""
+    return "_".join(p for p in name.split("_") if not (p.startswith("seed") and p[4:].isdigit()))
+
+
 COLOURS = ["#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
 
 
@@ -131,6 +137,24 @@ def main():
                              within_1pct=abs(rel) <= 0.01, diverged=ref["diverged"] or row["diverged"] or None))
         print(f"RESULT fidelity {a.config} {name}: steps {ref['steps']}, held-out bf16 {e16:.4f} {name} {e:.4f} "
               f"({100 * rel:+.2f}%, within 1%: {abs(rel) <= 0.01}), diverged: {verdicts[-1]['diverged'] or 'no'}")
+    # runs of one recipe with other seeds (NAME_seedN): the verdict on the seed means, where both sides have 2+ runs
+    groups = {}
+    for name, row in rows.items():
+        groups.setdefault(recipe(name), []).append(row["final_eval_loss"])
+    ref_losses = groups.get("bf16", [])
+    for name, losses in groups.items():
+        if name == "bf16" or len(losses) < 2 or len(ref_losses) < 2:
+            continue
+        m16, m = sum(ref_losses) / len(ref_losses), sum(losses) / len(losses)
+        rel = (m - m16) / m16
+        verdicts.append(dict(base, comparison=f"{name}_seedmean_vs_bf16_seedmean", variant=name, steps=ref["steps"],
+                             seeds_bf16=len(ref_losses), seeds_variant=len(losses), final_eval_loss_bf16=m16,
+                             final_eval_loss_variant=m, rel_diff=rel, within_1pct=abs(rel) <= 0.01,
+                             bf16_seed_spread=(max(ref_losses) - min(ref_losses)) / m16,
+                             diverged=any(rows[n]["diverged"] for n in rows if recipe(n) in (name, "bf16")) or None))
+        print(f"RESULT fidelity {a.config} {name} over {len(losses)} seeds: held-out mean bf16 {m16:.4f} ({len(ref_losses)} "
+              f"seeds, spread {100 * verdicts[-1]['bf16_seed_spread']:.2f}%) {name} {m:.4f} ({100 * rel:+.2f}%, "
+              f"within 1%: {abs(rel) <= 0.01})")
     with open(a.results, "a") as f:
         for r in list(rows.values()) + verdicts:
             f.write(json.dumps(r) + "\n")

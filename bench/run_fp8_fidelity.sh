@@ -11,7 +11,9 @@
 #   FIDELITY_RUNS="bf16 fp8"  the runs of each config, bf16 first (the reference): bf16 or fp8, each followed by
 #            modifiers joined with _: e4m3grad (BMT_FP8_GRAD=e4m3), row (BMT_FP8_SCALING=row), ends
 #            (--fp8-bf16-layers 0,-1), mlp / attn (--fp8-linears), seedN (--seed N: bf16_seed2 is the noise floor, a
-#            bf16 run from another init and data order); e.g. "bf16 fp8 fp8_e4m3grad fp8_row fp8_ends bf16_seed2"
+#            bf16 run from another init and data order); e.g. "bf16 fp8 fp8_e4m3grad fp8_row fp8_ends bf16_seed2".
+#            A recipe run with 2+ seeds beside bf16 with 2+ ("bf16 fp8 bf16_seed2 fp8_seed2 bf16_seed3 fp8_seed3")
+#            also gets a verdict on the seed means (the 124M final loss moves by ~0.5-5% with any perturbation)
 #   FIDELITY_STEPS=1000     training steps per run
 #   FIDELITY_SMOKE=1        the tiny preset for 40 steps on the CPU (a check of the script, not a measurement)
 #   FIDELITY_BUDGET_S=560   wall-clock budget; each run's timeout is what is left, and a run starts only while at

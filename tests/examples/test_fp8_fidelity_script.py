@@ -109,3 +109,26 @@ def test_unknown_run_name_is_refused_before_training(tmp_path):
     r = subprocess.run(["bash", os.path.join(REPO, "bench", "run_fp8_fidelity.sh"), "unused", "124m"], env=env,
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 2 and "must start with bf16" in r.stderr, r.stdout + r.stderr
+
+
+def test_report_verdict_on_seed_means(tmp_path):
+    train = [(s, 3.0 - s / 100) for s in range(1, 101)]
+    finals = {"bf16": 2.00, "bf16_seed2": 2.04, "fp8": 2.05, "fp8_seed2": 2.03, "fp8_ends": 2.01}
+    args = []
+    for name, final in finals.items():
+        path = tmp_path / f"{name}.jsonl"
+        _metrics(path, [(0, 5.0), (100, final)], train)
+        args += ["--bf16", str(path)] if name == "bf16" else ["--run", f"{name}={path}"]
+    res = tmp_path / "res.jsonl"
+    r = subprocess.run([sys.executable, REPORT, "--config", "x"] + args + ["--results", str(res), "--svg",
+                        str(tmp_path / "c.svg")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    verdicts = {v["comparison"]: v for v in map(json.loads, open(res)) if "comparison" in v}
+    # single runs against the one bf16 run, and the fp8 recipe's 2 seeds against bf16's 2 (fp8_ends has one seed)
+    assert abs(verdicts["fp8_vs_bf16"]["rel_diff"] - 0.025) < 1e-9 and not verdicts["fp8_vs_bf16"]["within_1pct"]
+    mean = verdicts["fp8_seedmean_vs_bf16_seedmean"]
+    assert mean["seeds_bf16"] == 2 and mean["seeds_variant"] == 2
+    assert abs(mean["rel_diff"] - (2.04 - 2.02) / 2.02) < 1e-9 and mean["within_1pct"] is True
+    assert abs(mean["bf16_seed_spread"] - 0.04 / 2.02) < 1e-9
+    assert "fp8_ends_seedmean_vs_bf16_seedmean" not in verdicts
+    assert "over 2 seeds" in r.stdout
