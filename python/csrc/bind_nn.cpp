@@ -1,5 +1,5 @@
 // bmtrain._C: the layer ops of the C++ nn (linear, layer_norm, gelu_mlp, linear_after_gelu, linear_residual,
-// causal_attention, fp8_linear), so Python's bmt.nn layers and the routed torch ops (torch_ops.py) get the same kernels.
+// causal_attention, fp8_linear, fp8_linear_residual, fp8_gelu_mlp), so Python's bmt.nn layers and the routed torch ops (torch_ops.py) get the same kernels.
 #include <pybind11/stl.h>
 
 #include <optional>
@@ -7,6 +7,7 @@
 #include "bmt/core/error.h"
 #include "bmt/nn/attention.h"
 #include "bmt/nn/fp8_linear.h"
+#include "bmt/nn/fp8_mlp.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "py_support.h"
@@ -83,6 +84,24 @@ void bind_nn(py::module_& m) {
       },
       py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("grad_format") = py::none(),
       py::arg("scaling") = py::none(), py::arg("compute") = true, py::call_guard<py::gil_scoped_release>());
+  nn.def(
+      "fp8_linear_residual",
+      [opt, grad_format, scaling](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                  const at::Tensor& residual, const std::optional<std::string>& grad,
+                                  const std::optional<std::string>& scale_by) {
+        return bmt::nn::fp8_linear_residual(x, weight, opt(bias), residual, grad_format(grad), scaling(scale_by));
+      },
+      py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("grad_format") = py::none(),
+      py::arg("scaling") = py::none(), py::call_guard<py::gil_scoped_release>());
+  nn.def(
+      "fp8_gelu_mlp",
+      [opt, grad_format](const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
+                         const at::Tensor& b_proj, const std::optional<at::Tensor>& residual,
+                         const std::optional<std::string>& grad) {
+        return bmt::nn::fp8_gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, opt(residual), grad_format(grad));
+      },
+      py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
+      py::arg("residual") = py::none(), py::arg("grad_format") = py::none(), py::call_guard<py::gil_scoped_release>());
   nn.def("fp8_linear_applies", &bmt::nn::fp8_linear_applies, py::arg("input"), py::arg("weight"));
   nn.def("fp8_grad_format",
          [] { return std::string(bmt::nn::fp8_grad_format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2"); });

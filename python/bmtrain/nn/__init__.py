@@ -39,6 +39,20 @@ def fp8_linear(input, weight, bias=None, grad_format=None, scaling=None):
     return _nn.fp8_linear(input, weight, bias, grad_format, scaling)
 
 
+def fp8_linear_residual(input, weight, bias, residual, grad_format=None, scaling=None):
+    """residual + fp8_linear(input, weight, bias): on CUDA with per-tensor scales the residual is added by the FP8
+    GEMM's epilogue (one rounding, no separate pass; nn::fp8_linear_residual). Not in BMTrain."""
+    return _nn.fp8_linear_residual(input, weight, bias, residual, grad_format, scaling)
+
+
+def fp8_gelu_mlp(input, w_fc, b_fc, w_proj, b_proj, residual=None, grad_format=None):
+    """[residual +] gelu_tanh(input w_fcᵀ + b_fc) w_projᵀ + b_proj with FP8 GEMMs (fp8_linear's numerics, per-tensor
+    scales), c_fc's bias and GELU and c_proj's bias and residual in the FP8 GEMMs' epilogues on CUDA
+    (nn::fp8_gelu_mlp); elsewhere, or with rowwise scales, the same from fp8_linear, gelu and fp8_linear. Not in
+    BMTrain."""
+    return _nn.fp8_gelu_mlp(input, w_fc, b_fc, w_proj, b_proj, residual, grad_format)
+
+
 def _dtype(dtype):
     return dtype if dtype is not None else torch.get_default_dtype()
 

@@ -57,6 +57,50 @@ def fp8_linear_function_matches_the_dequantized_product():
             raise AssertionError(f"{fmt}: the bias gradient is not the sum of the output gradient's rows")
 
 
+@case
+def fp8_residual_and_mlp_functions_are_the_composed_fp8_linears():
+    """bmt.nn.fp8_linear_residual and bmt.nn.fp8_gelu_mlp against the same computation composed from
+    bmt.nn.fp8_linear, F.gelu and +: bit for bit on CPU (where the engine composes them too), within FP8 rounding on
+    a GPU (the epilogues round once, GELU reads the fp32 sum); the residual's gradient is the output's."""
+    hidden = 128
+    x0 = rank_input(rank(), ROWS, IN, seed=21)
+    w0, b0 = _w(22)
+    r0 = rank_input(rank(), ROWS, OUT, seed=23)
+    w1, b1 = randn(hidden, IN, seed=24, scale=0.1), randn(hidden, seed=25, scale=0.1)
+    w2, b2 = randn(OUT, hidden, seed=26, scale=0.1), randn(OUT, seed=27, scale=0.1)
+    g = rank_input(rank(), ROWS, OUT, seed=28)
+
+    def run(fn, *tensors):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        y = fn(*leaves)
+        (y * g).sum().backward()
+        return [y.detach()] + [t.grad for t in leaves]
+
+    def compare(what, got, want):
+        for i, (a, b) in enumerate(zip(got, want)):
+            if on_cuda():
+                rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+                if rel > 0.05:
+                    raise AssertionError(f"{what}: output/gradient {i} differs by {rel:.3g} (norm) from the composed ops")
+            else:
+                assert_equal(f"{what}: output/gradient {i}", a, b)
+
+    compare("fp8_linear_residual", run(lambda x, w, b, r: bmt.nn.fp8_linear_residual(x, w, b, r), x0, w0, b0, r0),
+            run(lambda x, w, b, r: r + bmt.nn.fp8_linear(x, w, b), x0, w0, b0, r0))
+    fused = run(lambda *t: bmt.nn.fp8_gelu_mlp(*t), x0, w1, b1, w2, b2, r0)
+    compare("fp8_gelu_mlp", fused,
+            run(lambda x, a, c, d, e, r: r + bmt.nn.fp8_linear(F.gelu(bmt.nn.fp8_linear(x, a, c), approximate="tanh"), d, e),
+                x0, w1, b1, w2, b2, r0))
+    if not torch.equal(fused[6], g):
+        raise AssertionError("fp8_gelu_mlp: the residual's gradient is not the output's")
+    exact = r0 + F.linear(F.gelu(F.linear(x0, w1, b1), approximate="tanh"), w2, b2)
+    if torch.allclose(fused[0], exact, rtol=1e-4, atol=1e-4):
+        raise AssertionError("fp8_gelu_mlp returned the full-precision MLP: the FP8 path did not run")
+    expect_raises("a residual of the wrong shape", (RuntimeError, ValueError),
+                  lambda: bmt.nn.fp8_linear_residual(x0, w0, b0, randn(ROWS, OUT + 16, seed=29)),
+                  must_mention=("residual", "does not match the output"))
+
+
 def dequantized_rows(t, dtype):
     """dequantized() with one scale per row (fp8_max / that row's amax; a zero row keeps scale 1)."""
     fmax = torch.finfo(dtype).max
