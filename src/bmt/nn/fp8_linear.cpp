@@ -10,6 +10,7 @@
 #include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
+#include "bmt/nn/shape_internal.h"
 #include "bmt/runtime/env_switch_internal.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
@@ -32,12 +33,6 @@ k::Fp8Format core_format(Fp8Format f) { return f == Fp8Format::kE4M3 ? k::Fp8For
 at::ScalarType fp8_dtype(Fp8Format f) { return f == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2; }
 
 bool supported_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
-
-std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
-  std::vector<int64_t> s(sizes.begin(), sizes.end());
-  s.back() = last;
-  return s;
-}
 
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,

@@ -10,6 +10,7 @@
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
+#include "bmt/nn/shape_internal.h"
 #include "bmt/runtime/env_switch_internal.h"
 
 namespace bmt::nn {
@@ -24,12 +25,6 @@ constexpr Fp8Format kE4M3 = Fp8Format::kE4M3;
 // backward), so it is off unless BMT_FP8_MLP_DGELU=1; the forward GELU (BMT_FP8_MLP_GELU) is on.
 EnvSwitch g_dgelu("BMT_FP8_MLP_DGELU", false);
 EnvSwitch g_gelu("BMT_FP8_MLP_GELU", true);
-
-std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
-  std::vector<int64_t> s(sizes.begin(), sizes.end());
-  s.back() = last;
-  return s;
-}
 
 struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
   // grad: the backward will run (known outside: grad mode is off in here), so the transposed copies wgrad needs

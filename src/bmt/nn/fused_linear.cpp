@@ -10,6 +10,7 @@
 #include "bmt/runtime/env_switch_internal.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
+#include "bmt/nn/shape_internal.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
 #ifdef BMT_WITH_CUDA
@@ -60,12 +61,6 @@ at::Tensor linear_bias_residual(const at::Tensor& x2, const at::Tensor& w, const
   if (run_gemm(k::GemmEpilogue::kBias, x2, w, true, y, b, at::Tensor(), residual2)) return y;
   y = at::addmm(b, x2, w.t());
   return residual2.defined() ? y.add_(residual2) : y;
-}
-
-std::vector<int64_t> with_last(at::IntArrayRef sizes, int64_t last) {
-  std::vector<int64_t> s(sizes.begin(), sizes.end());
-  s.back() = last;
-  return s;
 }
 
 struct GeluMlpFn : torch::autograd::Function<GeluMlpFn> {
