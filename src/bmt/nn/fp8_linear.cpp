@@ -140,15 +140,7 @@ bool fp8_gemm_epilogue(k::GemmEpilogue epilogue, const at::Tensor& a, Fp8Format 
   f8.a_format = core_format(a_format), f8.b_format = core_format(b_format);
   f8.a_inv_scale = a_inv.data_ptr<float>(), f8.b_inv_scale = b_inv.data_ptr<float>();
   f8.fast_accum = fast_accum;
-  k::GemmEpilogueArgs g;
-  g.rows = a.size(0), g.cols = b.size(0), g.inner = a.size(1);
-  g.a = a.data_ptr(), g.b = b.data_ptr(), g.b_transposed = true;
-  g.out = out.data_ptr();
-  g.dtype = to_core_dtype(out.scalar_type());
-  g.epilogue = epilogue;
-  g.bias = bias.defined() ? bias.data_ptr() : nullptr;
-  g.aux = aux.defined() ? aux.data_ptr() : nullptr;
-  g.residual = residual.defined() ? residual.data_ptr() : nullptr;
+  k::GemmEpilogueArgs g = gemm_epilogue_args(epilogue, a, b, /*b_transposed=*/true, out, bias, aux, residual);
   g.fp8 = &f8;
   return run_gemm_epilogue(g, out);
 }

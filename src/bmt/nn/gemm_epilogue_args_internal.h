@@ -21,7 +21,7 @@ inline core::kernels::GemmEpilogueArgs gemm_epilogue_args(core::kernels::GemmEpi
   g.b = b.data_ptr();
   g.b_transposed = b_transposed;
   g.out = out.data_ptr();
-  g.dtype = to_core_dtype(a.scalar_type());
+  g.dtype = to_core_dtype(out.scalar_type());  // (out's: the operands' too unless they are FP8, GemmEpilogueArgs::fp8)
   g.epilogue = e;
   g.bias = bias.defined() ? bias.data_ptr() : nullptr;
   g.aux = aux.defined() ? aux.data_ptr() : nullptr;
