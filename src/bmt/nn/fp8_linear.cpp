@@ -8,6 +8,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
+#include "bmt/nn/fused_linear_internal.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
 #include "bmt/nn/shape_internal.h"
@@ -247,9 +248,8 @@ at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, co
   BMT_CHECK(weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
             "nn::fp8_linear_residual: input ", x.sizes(), " does not match weight ",
             weight.defined() ? weight.sizes() : at::IntArrayRef());
-  BMT_CHECK(residual.defined() && residual.sizes() == at::IntArrayRef(with_last(x.sizes(), weight.size(0))),
-            "nn::fp8_linear_residual: residual ", residual.defined() ? residual.sizes() : at::IntArrayRef(),
-            " does not match the output ", at::IntArrayRef(with_last(x.sizes(), weight.size(0))));
+  BMT_CHECK(residual.defined(), "nn::fp8_linear_residual: needs a residual");
+  check_residual(residual, x, weight.size(0), "nn::fp8_linear_residual");
   if (!fp8_linear_applies(x, weight) || (bias.defined() && bias.scalar_type() != x.scalar_type()) ||
       residual.scalar_type() != x.scalar_type() || residual.device() != x.device())
     return residual + fp8_linear(x, weight, bias, grad_format, scaling);

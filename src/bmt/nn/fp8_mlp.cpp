@@ -8,6 +8,7 @@
 #include "bmt/core/error.h"
 #include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fused_linear.h"
+#include "bmt/nn/fused_linear_internal.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
 #include "bmt/nn/shape_internal.h"
@@ -41,8 +42,9 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     const Fp8Tensor w1q = fp8_cast(w_fc, kE4M3, true, false);
     const at::Tensor b1 = b_fc.contiguous();
     at::Tensor pre = at::empty({rows, hidden}, x.options()), h = at::empty_like(pre);
-    if (!(epilogues && (g_gelu.enabled() || !x.is_cuda()) && fp8_gemm_epilogue(k::GemmEpilogue::kGeluAuxBias, xq.data, kE4M3, xq.inv, w1q.data, kE4M3,
-                                         w1q.inv, /*fast_accum=*/true, h, b1, pre, at::Tensor()))) {
+    const bool gelu_epilogue = epilogues && (g_gelu.enabled() || !x.is_cuda());
+    if (!(gelu_epilogue && fp8_gemm_epilogue(k::GemmEpilogue::kGeluAuxBias, xq.data, kE4M3, xq.inv, w1q.data, kE4M3,
+                                             w1q.inv, /*fast_accum=*/true, h, b1, pre, at::Tensor()))) {
       pre = fp8_scaled_mm(xq.data, xq.inv, w1q.data, w1q.inv, dtype, true, b1);
       h = at::gelu(pre, "tanh");
     }
@@ -114,24 +116,6 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
   }
 };
 
-void check_fp8_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
-                   const at::Tensor& b_proj, const at::Tensor& residual) {
-  BMT_CHECK(w_fc.defined() && w_fc.dim() == 2 && x.dim() >= 1 && x.size(-1) == w_fc.size(1),
-            "nn::fp8_gelu_mlp: input ", x.sizes(), " does not match c_fc weight ",
-            w_fc.defined() ? w_fc.sizes() : at::IntArrayRef());
-  BMT_CHECK(w_proj.defined() && w_proj.dim() == 2 && w_proj.size(1) == w_fc.size(0),
-            "nn::fp8_gelu_mlp: c_proj weight ", w_proj.defined() ? w_proj.sizes() : at::IntArrayRef(),
-            " does not take c_fc's ", w_fc.size(0), " features");
-  BMT_CHECK(!b_fc.defined() || (b_fc.dim() == 1 && b_fc.size(0) == w_fc.size(0)), "nn::fp8_gelu_mlp: c_fc bias ",
-            b_fc.sizes(), " does not match its ", w_fc.size(0), " output features");
-  BMT_CHECK(!b_proj.defined() || (b_proj.dim() == 1 && b_proj.size(0) == w_proj.size(0)),
-            "nn::fp8_gelu_mlp: c_proj bias ", b_proj.sizes(), " does not match its ", w_proj.size(0),
-            " output features");
-  const auto out_sizes = with_last(x.sizes(), w_proj.size(0));
-  BMT_CHECK(!residual.defined() || residual.sizes() == at::IntArrayRef(out_sizes), "nn::fp8_gelu_mlp: residual ",
-            residual.sizes(), " does not match the output ", at::IntArrayRef(out_sizes));
-}
-
 // Every operand of x's dtype and device, and GEMM shapes the FP8 path takes.
 bool fused_operands(std::initializer_list<const at::Tensor*> ts, const at::Tensor& x, const at::Tensor& w_fc,
                     const at::Tensor& w_proj) {
@@ -154,7 +138,7 @@ at::Tensor apply(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& 
 at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                               const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
                               Fp8Format grad_format, bool compute_output) {
-  check_fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
+  check_mlp("nn::fp8_gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
   BMT_CHECK(b_fc.defined() && b_proj.defined(), "nn::fp8_gelu_mlp_fused: c_fc and c_proj need biases");
   BMT_CHECK(fused_operands({&w_fc, &b_fc, &w_proj, &b_proj}, x, w_fc, w_proj) &&
                 (!residual.defined() || fused_operands({&residual}, x, w_fc, w_proj)),
@@ -167,7 +151,7 @@ at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const
 at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                         const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format,
                         bool compute_output) {
-  check_fp8_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
+  check_mlp("nn::fp8_gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
   // (under autocast the ops inside would run in another dtype than the backward's operands)
   const bool fused = fp8_scaling() == Fp8Scaling::kTensor && gemm_epilogues_enabled() && x.is_cuda() &&
                      !at::autocast::is_autocast_enabled(at::kCUDA) &&

@@ -1,4 +1,5 @@
 #include "bmt/nn/fused_linear.h"
+#include "bmt/nn/fused_linear_internal.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
@@ -197,12 +198,6 @@ void check_same_kind(std::initializer_list<const at::Tensor*> ts, const char* op
               "), got ", t->scalar_type(), " on ", t->device());
 }
 
-void check_residual(const at::Tensor& residual, const at::Tensor& x, int64_t out, const char* op) {
-  if (!residual.defined()) return;
-  BMT_CHECK(residual.sizes() == at::IntArrayRef(with_last(x.sizes(), out)), op, ": residual ", residual.sizes(),
-            " does not match the output ", at::IntArrayRef(with_last(x.sizes(), out)));
-}
-
 // The fused path: CUDA, bf16/fp16 throughout, the switch on, and gradients wanted (without them autograd is not
 // involved and the separate ops cost the same minus the saved tensors).
 bool fused_path_applies(std::initializer_list<const at::Tensor*> ts) {
@@ -229,29 +224,30 @@ GeluMlpBackward gelu_mlp_backward() { return g_backward.get(); }
 
 void set_gelu_mlp_backward(GeluMlpBackward mode) { g_backward.set(mode); }
 
-namespace {
-
-// The MLP's shapes (biases may be missing: the separate ops take that).
-void check_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
-               const at::Tensor& b_proj, const at::Tensor& residual) {
-  BMT_CHECK(w_fc.defined() && w_fc.dim() == 2 && x.dim() >= 1 && x.size(-1) == w_fc.size(1), "nn::gelu_mlp: input ",
-            x.sizes(), " does not match c_fc weight ", w_fc.defined() ? w_fc.sizes() : at::IntArrayRef());
-  BMT_CHECK(w_proj.defined() && w_proj.dim() == 2 && w_proj.size(1) == w_fc.size(0), "nn::gelu_mlp: c_proj weight ",
-            w_proj.defined() ? w_proj.sizes() : at::IntArrayRef(), " does not take c_fc's ", w_fc.size(0), " features");
-  BMT_CHECK(!b_fc.defined() || (b_fc.dim() == 1 && b_fc.size(0) == w_fc.size(0)), "nn::gelu_mlp: c_fc bias ",
-            b_fc.sizes(), " does not match its ", w_fc.size(0), " output features");
-  BMT_CHECK(!b_proj.defined() || (b_proj.dim() == 1 && b_proj.size(0) == w_proj.size(0)), "nn::gelu_mlp: c_proj bias ",
-            b_proj.sizes(), " does not match its ", w_proj.size(0), " output features");
-  check_residual(residual, x, w_proj.size(0), "nn::gelu_mlp");
+void check_residual(const at::Tensor& residual, const at::Tensor& x, int64_t out, const char* op) {
+  if (!residual.defined()) return;
+  BMT_CHECK(residual.sizes() == at::IntArrayRef(with_last(x.sizes(), out)), op, ": residual ", residual.sizes(),
+            " does not match the output ", at::IntArrayRef(with_last(x.sizes(), out)));
 }
 
-}  // namespace
+void check_mlp(const char* op, const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
+               const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual) {
+  BMT_CHECK(w_fc.defined() && w_fc.dim() == 2 && x.dim() >= 1 && x.size(-1) == w_fc.size(1), op, ": input ",
+            x.sizes(), " does not match c_fc weight ", w_fc.defined() ? w_fc.sizes() : at::IntArrayRef());
+  BMT_CHECK(w_proj.defined() && w_proj.dim() == 2 && w_proj.size(1) == w_fc.size(0), op, ": c_proj weight ",
+            w_proj.defined() ? w_proj.sizes() : at::IntArrayRef(), " does not take c_fc's ", w_fc.size(0), " features");
+  BMT_CHECK(!b_fc.defined() || (b_fc.dim() == 1 && b_fc.size(0) == w_fc.size(0)), op, ": c_fc bias ", b_fc.sizes(),
+            " does not match its ", w_fc.size(0), " output features");
+  BMT_CHECK(!b_proj.defined() || (b_proj.dim() == 1 && b_proj.size(0) == w_proj.size(0)), op, ": c_proj bias ",
+            b_proj.sizes(), " does not match its ", w_proj.size(0), " output features");
+  check_residual(residual, x, w_proj.size(0), op);
+}
 
 at::Tensor gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                           const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
                           bool compute_output) {
   BMT_CHECK(b_fc.defined() && b_proj.defined(), "nn::gelu_mlp_fused: c_fc and c_proj need biases");
-  check_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
+  check_mlp("nn::gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
   check_same_kind({&x, &w_fc, &b_fc, &w_proj, &b_proj, &residual}, "nn::gelu_mlp_fused");
   return GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
                           residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt, compute_output);
@@ -268,7 +264,7 @@ at::Tensor linear_residual_fused(const at::Tensor& x, const at::Tensor& weight, 
 
 at::Tensor gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                     const at::Tensor& b_proj, const at::Tensor& residual, bool compute_output) {
-  check_mlp(x, w_fc, b_fc, w_proj, b_proj, residual);
+  check_mlp("nn::gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
   if (b_fc.defined() && b_proj.defined() && fused_path_applies({&x, &w_fc, &b_fc, &w_proj, &b_proj, &residual}))
     return GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
                             residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt, compute_output);
