@@ -13,11 +13,13 @@
 #include <cmath>
 #include <limits>
 
+#include "bmt/core/kernels/column_reduce_internal.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fp8_linear.h"
 #include "bmt/nn/fp8_mlp.h"
 #include "bmt/nn/fused_linear.h"
+#include "bmt/nn/fused_reductions.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 #include "fp8_reference.h"
 
@@ -110,6 +112,69 @@ TEST(Fp8CastCuda, ZeroAndNonFiniteTensors) {
       compare(t.to(at::kBFloat16), 0, 64, 48, f, true, false, "with " + std::to_string(bad));
       compare(t, 0, 64, 48, f, true, true, "fp32 with " + std::to_string(bad));
     }
+  }
+}
+
+// The amax a column sum takes on the side (column_sum_cuda's partial maxima, reduced by
+// fp8_scale_from_partials_cuda) gives the scale pass's statistics bit for bit: every dtype, vector and scalar
+// paths, many slabs, zeros, inf and NaN.
+TEST(Fp8CastCuda, ColumnSumAmaxGivesTheScaleStatistics) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(23);
+  struct Case { int64_t rows, cols; float poison; };
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (at::ScalarType st : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const Case c : {Case{1, 1, 0}, Case{7, 13, 0}, Case{1000, 4097, 0}, Case{16384, 768, 0}, Case{20000, 8, 0},
+                         Case{64, 48, -1}, Case{333, 264, inf}, Case{333, 264, nan}}) {
+      at::Tensor x = (at::randn({c.rows, c.cols}) * at::exp(at::randn({c.rows, c.cols}) * 1.5)).to(st);
+      if (c.poison < 0) x.zero_();
+      if (c.poison > 0 || std::isnan(c.poison)) x.view(-1)[x.numel() / 3] = c.poison;
+      const std::string what = std::string(c10::toString(st)) + " " + std::to_string(c.rows) + "x" +
+                               std::to_string(c.cols) + " poison " + std::to_string(c.poison);
+      const bmt::core::DType dt = bmt::to_core_dtype(st);
+      for (k::Fp8Format f : {k::Fp8Format::kE4M3, k::Fp8Format::kE5M2}) {
+        float want[3];
+        k::fp8_scale_cpu(x.data_ptr(), dt, x.numel(), f, want);
+        const at::Tensor xg = x.cuda();
+        const auto opts = xg.options();
+        at::Tensor ws = at::empty({k::column_reduce_workspace_numel(c.rows, c.cols, dt)}, opts.dtype(at::kFloat));
+        at::Tensor partials = at::empty({k::column_sum_amax_partials(c.rows, c.cols, dt)}, opts.dtype(at::kInt));
+        at::Tensor sums = at::empty({c.cols}, opts.dtype(at::kFloat)), plain = at::empty_like(sums);
+        k::column_sum_cuda(xg.data_ptr(), dt, c.rows, c.cols, sums.data_ptr(), bmt::core::DType::kFloat32,
+                           ws.data_ptr<float>(), stream(), static_cast<uint32_t*>(partials.data_ptr()));
+        k::column_sum_cuda(xg.data_ptr(), dt, c.rows, c.cols, plain.data_ptr(), bmt::core::DType::kFloat32,
+                           ws.data_ptr<float>(), stream());
+        EXPECT_TRUE(((sums == plain) | (sums.isnan() & plain.isnan())).all().item<bool>()) << what << ": sums changed";
+        at::Tensor stats = at::empty({3}, opts.dtype(at::kFloat)), inv = at::full({}, -1.0f, opts.dtype(at::kFloat));
+        k::fp8_scale_from_partials_cuda(static_cast<const uint32_t*>(partials.data_ptr()), partials.numel(), f,
+                                        stats.data_ptr<float>(), stream(), inv.data_ptr<float>());
+        const at::Tensor got = stats.cpu();
+        for (int i = 0; i < 3; ++i) {
+          const float g = got[i].item<float>(), w = want[i];
+          EXPECT_TRUE(g == w || (std::isnan(g) && std::isnan(w))) << what << ": stat " << i << " " << g << " vs " << w;
+        }
+        const float gi = inv.item<float>(), wi = want[k::kFp8InvScale];
+        EXPECT_TRUE(gi == wi || (std::isnan(gi) && std::isnan(wi))) << what << ": inverse scale copy " << gi;
+      }
+    }
+  }
+}
+
+// nn::fp8_cast_grad (the bias gradient's column sum taking dy's amax) against nn::column_sum + nn::fp8_cast: the
+// same bytes, statistics and sums.
+TEST(Fp8CastCuda, CastWithTheBiasGradientEqualsTheSeparateOps) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(24);
+  for (at::ScalarType st : {at::kBFloat16, at::kFloat}) {
+    const at::Tensor dy = (at::randn({4096, 768}) * 3).to(st).cuda();
+    at::Tensor db;
+    const bmt::nn::Fp8Tensor got = bmt::nn::fp8_cast_grad(bmt::nn::Fp8Scaling::kTensor, dy, bmt::nn::Fp8Format::kE5M2,
+                                                          true, true, &db, at::kFloat);
+    const bmt::nn::Fp8Tensor want = bmt::nn::fp8_cast(dy, bmt::nn::Fp8Format::kE5M2, true, true);
+    EXPECT_TRUE(at::equal(db, bmt::nn::column_sum(dy, at::kFloat))) << c10::toString(st);
+    EXPECT_TRUE(at::equal(got.stats, want.stats) && at::equal(got.inv, want.inv)) << c10::toString(st);
+    EXPECT_TRUE(at::equal(got.data.view(at::kByte), want.data.view(at::kByte))) << c10::toString(st);
+    EXPECT_TRUE(at::equal(got.data_t.view(at::kByte), want.data_t.view(at::kByte))) << c10::toString(st);
   }
 }
 

@@ -87,9 +87,12 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const int64_t out = grads[0].size(-1);
     const at::Tensor dy2 = grads[0].contiguous().view({-1, out});
     const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
+    const bool want_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
     at::Tensor dx, dw, db;
     if (want_dx || want_dw) {
-      const Fp8Tensor dyq = fp8_cast_as(scaling, dy2, grad_format, want_dx, want_dw);  // (per tensor: one pass)
+      // (one cast for both copies; the bias gradient's read of dy also takes dy's amax)
+      const Fp8Tensor dyq =
+          fp8_cast_grad(scaling, dy2, grad_format, want_dx, want_dw, want_db ? &db : nullptr, w_dtype);
       if (want_dx) {
         const Fp8Tensor wq = fp8_cast_as(scaling, weight, Fp8Format::kE4M3, false, true);  // W^T [in, out] row-major
         dx = fp8_scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), grads[0].scalar_type(), false,
@@ -97,8 +100,9 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
                  .view(x_sizes);
       }
       if (want_dw) dw = fp8_scaled_mm(dyq.data_t, dyq.inv_scale_t(), xt8, x_inv, w_dtype, false, std::nullopt);
+    } else if (want_db) {
+      db = column_sum(dy2, w_dtype);
     }
-    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = column_sum(dy2, w_dtype);
     at::Tensor dres;
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(3)) dres = grads[0];
     return {dx, dw, db, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -151,7 +155,12 @@ Fp8Tensor fp8_cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format,
                                      : fp8_cast(m, format, row_major, transposed);
 }
 
-Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed) {
+namespace {
+
+// fp8_cast; amax_partials (CUDA, defined): the partial maxima of |matrix| a kernel that read it already wrote
+// (nn::column_sum's), so the scale reduces those instead of reading the matrix again
+Fp8Tensor cast_per_tensor(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed,
+                          const at::Tensor& amax_partials) {
   BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
   BMT_CHECK(supported_dtype(matrix.scalar_type()), "nn::fp8_cast: dtype ", matrix.scalar_type(),
             " is not fp32, bf16 or fp16");
@@ -174,17 +183,40 @@ Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, boo
   }
 #ifdef BMT_WITH_CUDA
   c10::cuda::CUDAGuard guard(m.device());
-  // (from the caching allocator: ordered on this stream, and in a CUDA graph's pool when captured)
-  const at::Tensor ws = at::empty({k::fp8_scale_workspace_numel(m.numel())}, m.options().dtype(at::kInt));
   void* stream = current_stream_handle(m);
   r.inv = at::empty({}, r.stats.options());  // written by the scale kernel itself (no copy kernel)
-  k::fp8_scale_cuda(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>(),
-                    static_cast<uint32_t*>(ws.data_ptr()), stream, r.inv.data_ptr<float>());
+  if (amax_partials.defined()) {
+    k::fp8_scale_from_partials_cuda(static_cast<const uint32_t*>(amax_partials.data_ptr()), amax_partials.numel(), f,
+                                    r.stats.data_ptr<float>(), stream, r.inv.data_ptr<float>());
+  } else {
+    // (from the caching allocator: ordered on this stream, and in a CUDA graph's pool when captured)
+    const at::Tensor ws = at::empty({k::fp8_scale_workspace_numel(m.numel())}, m.options().dtype(at::kInt));
+    k::fp8_scale_cuda(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>(),
+                      static_cast<uint32_t*>(ws.data_ptr()), stream, r.inv.data_ptr<float>());
+  }
   k::fp8_cast_cuda(m.data_ptr(), dt, rows, cols, r.stats.data_ptr<float>(), f, q, qt, stream);
   return r;
 #else
   BMT_ERROR("nn::fp8_cast: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
 #endif
+}
+
+}  // namespace
+
+Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed) {
+  return cast_per_tensor(matrix, format, rowwise, transposed, at::Tensor());
+}
+
+Fp8Tensor fp8_cast_grad(Fp8Scaling scaling, const at::Tensor& dy, Fp8Format format, bool row_major, bool transposed,
+                        at::Tensor* db, at::ScalarType sum_dtype) {
+  if (!db) return fp8_cast_as(scaling, dy, format, row_major, transposed);
+  if (scaling == Fp8Scaling::kTensor && dy.is_cuda()) {
+    at::Tensor partials;
+    *db = column_sum(dy, sum_dtype, &partials);
+    return cast_per_tensor(dy, format, row_major, transposed, partials);
+  }
+  *db = column_sum(dy, sum_dtype);
+  return fp8_cast_as(scaling, dy, format, row_major, transposed);
 }
 
 Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_major, bool transposed) {

@@ -19,6 +19,12 @@ at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at:
 // GEMMs take).
 Fp8Tensor fp8_cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format, bool row_major, bool transposed);
 
+// dy's FP8 copies as fp8_cast_as gives them and, with db, its column sums in sum_dtype (the bias gradient, what
+// nn::column_sum gives). On CUDA with per-tensor scales the column-sum kernel also takes dy's amax, so the cast reads
+// dy once instead of twice (amax pass, cast pass); the bytes, statistics and sums are the same either way.
+Fp8Tensor fp8_cast_grad(Fp8Scaling scaling, const at::Tensor& dy, Fp8Format format, bool row_major, bool transposed,
+                        at::Tensor* db, at::ScalarType sum_dtype);
+
 // One epilogue GEMM (core/kernels/gemm_epilogue) on per-tensor FP8 operands: out = epilogue((a_inv b_inv) a b^T)
 // with a [rows, inner] and b [cols, inner] row-major, out / bias / aux / residual in out's dtype (undefined: none).
 // CPU tensors run the fp64 twin; CUDA ones cuBLASLt, false (nothing done) when it has no algorithm.

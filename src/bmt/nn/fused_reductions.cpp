@@ -134,11 +134,14 @@ bool fused_reductions_enabled() { return g_enabled.enabled(); }
 
 void set_fused_reductions_enabled(bool enabled) { g_enabled.set(enabled); }
 
-at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype) {
+at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype, at::Tensor* amax_partials) {
   BMT_CHECK(matrix.dim() == 2, "nn::column_sum: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
   BMT_CHECK(supported_dtype(matrix.scalar_type()) && supported_dtype(out_dtype),
             "nn::column_sum: dtypes must be fp32, bf16 or fp16, got ", matrix.scalar_type(), " -> ", out_dtype);
-  if (!matrix.is_cuda()) return matrix.sum(0, /*keepdim=*/false, at::kFloat).to(out_dtype);
+  if (!matrix.is_cuda()) {
+    if (amax_partials) *amax_partials = at::Tensor();
+    return matrix.sum(0, /*keepdim=*/false, at::kFloat).to(out_dtype);
+  }
 #ifdef BMT_WITH_CUDA
   c10::cuda::CUDAGuard guard(matrix.device());
   const at::Tensor m = matrix.contiguous();
@@ -146,8 +149,13 @@ at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype) {
   const core::DType dt = to_core_dtype(m.scalar_type());
   at::Tensor out = at::empty({cols}, m.options().dtype(out_dtype));
   at::Tensor ws = at::empty({k::column_reduce_workspace_numel(rows, cols, dt)}, m.options().dtype(at::kFloat));
+  uint32_t* partials = nullptr;
+  if (amax_partials) {
+    *amax_partials = at::empty({k::column_sum_amax_partials(rows, cols, dt)}, m.options().dtype(at::kInt));
+    partials = static_cast<uint32_t*>(amax_partials->data_ptr());
+  }
   k::column_sum_cuda(m.data_ptr(), dt, rows, cols, out.data_ptr(), to_core_dtype(out_dtype), ws.data_ptr<float>(),
-                     current_stream_handle(m));
+                     current_stream_handle(m), partials);
   return out;
 #else
   BMT_ERROR("nn::column_sum: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");

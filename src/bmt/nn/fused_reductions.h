@@ -31,7 +31,9 @@ at::Tensor deferred_output(at::IntArrayRef sizes, const at::TensorOptions& optio
 void linear_fill(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& y);
 
 // The sums of a 2-D tensor's rows, accumulated in fp32, returned in out_dtype (CUDA: our kernel; CPU: at::sum).
-at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype);
+// amax_partials (may be null): on CUDA set to the partial maxima of |matrix| the same read took (uint32 bits,
+// core::kernels::column_sum_amax_partials of them: an FP8 cast's amax, nn::fp8_cast_grad); elsewhere undefined.
+at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype, at::Tensor* amax_partials = nullptr);
 
 // Default: on unless the environment sets BMT_FUSED_REDUCTIONS=0.
 bool fused_reductions_enabled();

@@ -4,11 +4,13 @@
 // are then added in a fixed order through shared memory into one fp32 partial per (slab, column).
 // Stage 2: 32 columns x 32 slab lanes per block sum the partials (lane l takes slabs l, l + 32, ...), then the
 // 32 lanes in a fixed order, and round once into the output.
+// Column sums may also give each stage-1 block's largest |dy| (an FP8 cast's amax without its own read of dy).
 #include <cuda_runtime.h>
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/column_reduce_internal.h"
 #include "bmt/core/kernels/element_access.cuh"
+#include "bmt/core/kernels/fp8_cast_internal.cuh"
 
 namespace bmt::core::kernels {
 namespace {
@@ -20,7 +22,7 @@ constexpr int kSlabLanes = 32, kStage2Threads = kColLanes * kSlabLanes;
 template <DType D, int kOutputs>
 __global__ void __launch_bounds__(kStage1Threads)
     partial_sums_kernel(const void* dy, const void* x, const float* mean, const float* rstd, int64_t rows,
-                        int64_t cols, int64_t rows_per_slab, bool vec, float* partial) {
+                        int64_t cols, int64_t rows_per_slab, bool vec, float* partial, uint32_t* amax_partial) {
   constexpr int V = detail::kVecElems<D>;
   constexpr int kTileCols = kColLanes * V;
   __shared__ float lanes[kOutputs][kRowLanes][kTileCols];
@@ -35,6 +37,7 @@ __global__ void __launch_bounds__(kStage1Threads)
   for (int o = 0; o < kOutputs; ++o)
 #pragma unroll
     for (int k = 0; k < V; ++k) acc[o][k] = 0.0f;
+  uint32_t amax = 0;  // bits of the largest |dy| (column sums only; out-of-range elements load as 0)
   auto add_row = [&](int64_t r, const float (&g)[V], const float (&xv)[V]) {
     if constexpr (kOutputs == 2) {
       const float m = mean[r], s = rstd[r];
@@ -45,7 +48,7 @@ __global__ void __launch_bounds__(kStage1Threads)
       }
     } else {
 #pragma unroll
-      for (int k = 0; k < V; ++k) acc[0][k] += g[k];
+      for (int k = 0; k < V; ++k) acc[0][k] += g[k], amax = max(amax, fp8_device::abs_bits(g[k]));
     }
   };
   if (vec) {  // cols % V == 0 and 16-byte aligned rows: a lane's V columns are all in range or all out
@@ -86,6 +89,10 @@ __global__ void __launch_bounds__(kStage1Threads)
       partial[o * slab_stride + slab * cols + c] = s;
     }
   }
+  if (kOutputs == 1 && amax_partial) {  // (uniform over the block: every thread takes part in the block maximum)
+    amax = fp8_device::block_max(amax);
+    if (threadIdx.x == 0) amax_partial[slab * gridDim.x + blockIdx.x] = amax;
+  }
 }
 
 template <DType Out>
@@ -124,7 +131,8 @@ void finish(const float* partial, int64_t slabs, int64_t cols, void* out, DType 
 
 template <int kOutputs>
 void launch_partials(const void* dy, const void* x, DType dtype, const float* mean, const float* rstd, int64_t rows,
-                     int64_t cols, const ColumnReducePlan& plan, float* partial, cudaStream_t s) {
+                     int64_t cols, const ColumnReducePlan& plan, float* partial, uint32_t* amax_partial,
+                     cudaStream_t s) {
   const int v = dtype == DType::kFloat32 ? 4 : 8;
   // Vector loads need every row start 16-byte aligned: an aligned base and a row length that is a multiple of V.
   const bool vec = cols % v == 0 && detail::vec_aligned(dy) && (kOutputs == 1 || detail::vec_aligned(x));
@@ -133,15 +141,18 @@ void launch_partials(const void* dy, const void* x, DType dtype, const float* me
   switch (dtype) {
     case DType::kFloat32:
       partial_sums_kernel<DType::kFloat32, kOutputs><<<grid, kStage1Threads, 0, s>>>(dy, x, mean, rstd, rows, cols,
-                                                                                    plan.rows_per_slab, vec, partial);
+                                                                                    plan.rows_per_slab, vec, partial,
+                                                                                    amax_partial);
       break;
     case DType::kBFloat16:
       partial_sums_kernel<DType::kBFloat16, kOutputs><<<grid, kStage1Threads, 0, s>>>(dy, x, mean, rstd, rows, cols,
-                                                                                     plan.rows_per_slab, vec, partial);
+                                                                                     plan.rows_per_slab, vec, partial,
+                                                                                    amax_partial);
       break;
     default:
       partial_sums_kernel<DType::kFloat16, kOutputs><<<grid, kStage1Threads, 0, s>>>(dy, x, mean, rstd, rows, cols,
-                                                                                    plan.rows_per_slab, vec, partial);
+                                                                                    plan.rows_per_slab, vec, partial,
+                                                                                    amax_partial);
       break;
   }
 }
@@ -154,7 +165,7 @@ void check_launch(const char* op) {
 }  // namespace
 
 void column_sum_cuda(const void* dy, DType dtype, int64_t rows, int64_t cols, void* out, DType out_dtype,
-                     float* workspace, void* stream) {
+                     float* workspace, void* stream, uint32_t* amax_partial) {
   check_dtypes(dtype, out_dtype, "column_sum_cuda");
   BMT_CHECK(rows >= 0 && cols >= 0, "column_sum_cuda: negative shape [", rows, ", ", cols, "]");
   if (cols == 0) return;
@@ -166,7 +177,7 @@ void column_sum_cuda(const void* dy, DType dtype, int64_t rows, int64_t cols, vo
   }
   BMT_CHECK(dy && out && workspace, "column_sum_cuda: null buffer");
   const ColumnReducePlan plan = column_reduce_plan(rows, cols, dtype);
-  launch_partials<1>(dy, nullptr, dtype, nullptr, nullptr, rows, cols, plan, workspace, s);
+  launch_partials<1>(dy, nullptr, dtype, nullptr, nullptr, rows, cols, plan, workspace, amax_partial, s);
   finish(workspace, plan.slabs, cols, out, out_dtype, s);
   check_launch("column_sum_cuda");
 }
@@ -187,7 +198,7 @@ void layer_norm_param_grads_cuda(const void* dy, const void* x, DType dtype, con
   }
   BMT_CHECK(dy && x && mean && rstd && workspace, "layer_norm_param_grads_cuda: null buffer");
   const ColumnReducePlan plan = column_reduce_plan(rows, cols, dtype);
-  launch_partials<2>(dy, x, dtype, mean, rstd, rows, cols, plan, workspace, s);
+  launch_partials<2>(dy, x, dtype, mean, rstd, rows, cols, plan, workspace, nullptr, s);
   const int64_t per_output = plan.slabs * cols;
   if (dgamma) finish(workspace, plan.slabs, cols, dgamma, out_dtype, s);
   if (dbeta) finish(workspace + per_output, plan.slabs, cols, dbeta, out_dtype, s);

@@ -44,6 +44,12 @@ int64_t column_reduce_workspace_numel(int64_t rows, int64_t cols, DType dtype) {
   return column_reduce_plan(rows, cols, dtype).slabs * std::max<int64_t>(cols, 0);
 }
 
+int64_t column_sum_amax_partials(int64_t rows, int64_t cols, DType dtype) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const int64_t tile_cols = 32 * (dtype == DType::kFloat32 ? 4 : 8);
+  return column_reduce_plan(rows, cols, dtype).slabs * ((cols + tile_cols - 1) / tile_cols);
+}
+
 void column_sum_cpu(const void* dy, DType dtype, int64_t rows, int64_t cols, void* out, DType out_dtype) {
   check_shape(rows, cols, "column_sum_cpu");
   std::vector<double> sum(static_cast<size_t>(cols), 0.0);

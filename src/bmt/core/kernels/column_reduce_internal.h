@@ -31,9 +31,15 @@ void column_sum_cpu(const void* dy, DType dtype, int64_t rows, int64_t cols, voi
 void layer_norm_param_grads_cpu(const void* dy, const void* x, DType dtype, const float* mean, const float* rstd,
                                 int64_t rows, int64_t cols, void* dgamma, void* dbeta, DType out_dtype);
 
+// Stage-1 blocks of column_sum_cuda: the number of partial maxima it writes when asked for them.
+int64_t column_sum_amax_partials(int64_t rows, int64_t cols, DType dtype);
+
 // Device memory (builds with BMT_WITH_CUDA). `workspace`: column_reduce_workspace_numel floats per output.
+// amax_partial (may be null): column_sum_amax_partials uint32 words, each the bits of the largest |dy| one stage-1
+// block read (a NaN above every number), for fp8_scale_from_partials_cuda: a bias gradient and its FP8 cast's
+// amax from one read of dy.
 void column_sum_cuda(const void* dy, DType dtype, int64_t rows, int64_t cols, void* out, DType out_dtype,
-                     float* workspace, void* stream);
+                     float* workspace, void* stream, uint32_t* amax_partial = nullptr);
 void layer_norm_param_grads_cuda(const void* dy, const void* x, DType dtype, const float* mean, const float* rstd,
                                  int64_t rows, int64_t cols, void* dgamma, void* dbeta, DType out_dtype,
                                  float* workspace, void* stream);

@@ -102,6 +102,14 @@ void fp8_scale_cuda(const void* x, DType dtype, int64_t numel, Fp8Format format,
   check_launch("fp8_scale_cuda");
 }
 
+void fp8_scale_from_partials_cuda(const uint32_t* partial, int64_t n, Fp8Format format, float* stats, void* stream,
+                                  float* inv_scale_copy) {
+  BMT_CHECK(n >= 0 && stats && (n == 0 || partial), "fp8_scale_from_partials_cuda: bad arguments (n ", n, ")");
+  finish_scale_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(partial, n, fp8_max(format), stats,
+                                                                               inv_scale_copy);
+  check_launch("fp8_scale_from_partials_cuda");
+}
+
 void fp8_cast_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, const float* stats, Fp8Format format,
                    uint8_t* q, uint8_t* qt, void* stream) {
   check_dtype(dtype, "fp8_cast_cuda");

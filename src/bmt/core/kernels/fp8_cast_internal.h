@@ -54,6 +54,10 @@ void fp8_cast_rowwise_cpu(const void* x, DType dtype, int64_t rows, int64_t cols
 int64_t fp8_scale_workspace_numel(int64_t numel);
 void fp8_scale_cuda(const void* x, DType dtype, int64_t numel, Fp8Format format, float* stats, uint32_t* workspace,
                     void* stream, float* inv_scale_copy = nullptr);
+// fp8_scale_cuda's second stage alone: the statistics from `n` partial maxima (bits of |x|, a NaN above every
+// number) that a kernel which read x anyway wrote (column_sum_cuda's amax_partial); n = 0 is an all-zero tensor.
+void fp8_scale_from_partials_cuda(const uint32_t* partial, int64_t n, Fp8Format format, float* stats, void* stream,
+                                  float* inv_scale_copy = nullptr);
 void fp8_cast_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, const float* stats, Fp8Format format,
                    uint8_t* q, uint8_t* qt, void* stream);
 // fp8_cast_rowwise_cpu on the device; `workspace`: `cols` uint32 words (the column maxima, when qt is asked for).
