@@ -20,6 +20,8 @@
 #   TORCHOPS_FP8_RUNS="bmt bmt_fp8 fsdp2_fp8 fsdp2_fp8_compile bmtpy bmtpy_fp8 bmt_fp8row"   the FP8 mode's runs per
 #                           config, in order; also bmt_fp8_noepi (the engine's FP8 with BMT_GEMM_EPILOGUES=0: the
 #                           FP8 MLP's GELU, GELU gradient and residual add as separate passes; variant fp8-no-epilogues)
+#                           and bmt_fp8_sepamax (BMT_FP8_AMAX_FROM_SUM=0: each gradient's amax by its own pass, not
+#                           taken by its bias gradient's column sum; variant fp8-separate-amax)
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
 # The C++ engine's rows use its own best settings per config (124m --cuda-graphs; checkpointed configs
 # --step-in-backward; offload --offload-grad-bf16 --offload-async); its config string is mapped to the five names
@@ -134,6 +136,8 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
         # the FP8 MLP without its epilogue GEMMs (GELU, its gradient and the residual add as separate passes)
         bmt_fp8_noepi) BENCH_VARIANT=fp8-no-epilogues run_one "bmt_fp8_noepi_$cfg" bmt "$CANON" \
                          env BMT_GEMM_EPILOGUES=0 "$BIN" --framework bmt $C --fp8 ;;
+        bmt_fp8_sepamax) BENCH_VARIANT=fp8-separate-amax run_one "bmt_fp8_sepamax_$cfg" bmt "$CANON" \
+                           env BMT_FP8_AMAX_FROM_SUM=0 "$BIN" --framework bmt $C --fp8 ;;
         *) echo "[torchops_bench] TORCHOPS_FP8_RUNS: unknown run '$run'" >&2; exit 2 ;;
       esac
     done

@@ -27,6 +27,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 EnvChoice<Fp8Format, 2> g_grad_format("BMT_FP8_GRAD", {{{"e5m2", Fp8Format::kE5M2}, {"e4m3", Fp8Format::kE4M3}}});
+// BMT_FP8_AMAX_FROM_SUM=0: a gradient's amax by its own pass even where its bias gradient's sum reads it (the
+// baseline of that fusion's benchmark rows)
+EnvSwitch g_amax_from_sum("BMT_FP8_AMAX_FROM_SUM", true);
 EnvChoice<Fp8Scaling, 2> g_scaling("BMT_FP8_SCALING", {{{"tensor", Fp8Scaling::kTensor}, {"row", Fp8Scaling::kRow}}});
 
 k::Fp8Format core_format(Fp8Format f) { return f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2; }
@@ -210,7 +213,7 @@ Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, boo
 Fp8Tensor fp8_cast_grad(Fp8Scaling scaling, const at::Tensor& dy, Fp8Format format, bool row_major, bool transposed,
                         at::Tensor* db, at::ScalarType sum_dtype) {
   if (!db) return fp8_cast_as(scaling, dy, format, row_major, transposed);
-  if (scaling == Fp8Scaling::kTensor && dy.is_cuda()) {
+  if (scaling == Fp8Scaling::kTensor && dy.is_cuda() && g_amax_from_sum.enabled()) {
     at::Tensor partials;
     *db = column_sum(dy, sum_dtype, &partials);
     return cast_per_tensor(dy, format, row_major, transposed, partials);
