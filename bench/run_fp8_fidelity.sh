@@ -19,6 +19,8 @@
 #   FIDELITY_BUDGET_S=560   wall-clock budget; each run's timeout is what is left, and a run starts only while at
 #                           least FIDELITY_MIN_LEFT_S=30 seconds are left
 #   FIDELITY_CORPUS=PATH    train on this text file instead (kept); FIDELITY_TRAIN_GPT=PATH the train_gpt binary
+#   FIDELITY_REUSE=1        a run that already finished in this OUT with the same arguments is not trained again
+#                           (its metrics are reported with the new runs: one comparison across several device calls)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-gpu}
@@ -68,17 +70,24 @@ for cfg in "${CONFIGS[@]}"; do
   report=()
   for run in "${RUNS[@]}"; do
     id=${cfg}_$run
+    run_recipe "$run"
+    sig="$A --steps $STEPS $ENVS $FLAGS"
+    if [ "${FIDELITY_REUSE:-0}" = 1 ] && [ -s "$LOGDIR/$id.metrics.jsonl" ] && [ "$(cat "$LOGDIR/$id.done" 2>/dev/null)" = "$sig" ]; then
+      echo "[fp8_fidelity] $id: reused (FIDELITY_REUSE=1), $(grep '^done:' "$LOGDIR/$id.log" | tail -1)"
+      [ "$run" = bf16 ] || report+=(--run "$run=$LOGDIR/$id.metrics.jsonl")
+      continue
+    fi
     left=$((BENCH_BUDGET - ($(date +%s) - BENCH_START)))
     if [ "$left" -lt "${FIDELITY_MIN_LEFT_S:-30}" ]; then echo "[fp8_fidelity] $id: skipped (time budget)"; continue; fi
-    run_recipe "$run"
     t0=$(date +%s)
-    rm -f "$LOGDIR/$id.metrics.jsonl"
+    rm -f "$LOGDIR/$id.metrics.jsonl" "$LOGDIR/$id.done"
     env $ENVS MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29860 + RANDOM % 100)) timeout -k 10 "$left" "$BIN" $A \
       --steps "$STEPS" --data "$CORPUS" --data-format text $FLAGS --metrics "$LOGDIR/$id.metrics.jsonl" \
       --progress lines --log-every 100 > "$LOGDIR/$id.log" 2>&1
     rc=$?
     echo "[fp8_fidelity] $id ($ENVS $FLAGS): rc $rc, $(grep '^done:' "$LOGDIR/$id.log" | tail -1) [$(( $(date +%s) - t0 ))s]"
     [ $rc -eq 0 ] || tail -5 "$LOGDIR/$id.log" | cut -c1-300 | sed 's/^/    /'
+    [ $rc -eq 0 ] && echo "$sig" > "$LOGDIR/$id.done"
     [ "$run" = bf16 ] || report+=(--run "$run=$LOGDIR/$id.metrics.jsonl")
   done
   python3 bench/fp8_fidelity_report.py --config "$cfg" --bf16 "$LOGDIR/${cfg}_bf16.metrics.jsonl" "${report[@]}" \

@@ -1,7 +1,8 @@
 """bench/run_fp8_fidelity.sh (issue 34's loss fidelity) in its CPU smoke mode: train_gpt in bf16 and --fp8 on the
 same text, one row per run and a verdict row, an SVG with the four curves; and fp8_fidelity_report.py's verdicts on
 made-up curves (a NaN loss and a held-out loss that climbs away from its minimum count as divergence, a 2% gap is
-not within 1%, one verdict per variant); an unknown FIDELITY_RUNS name is refused before any training."""
+not within 1%, one verdict per variant); an unknown FIDELITY_RUNS name is refused before any training; FIDELITY_REUSE
+reports finished runs again without training them."""
 import json
 import os
 import subprocess
@@ -42,6 +43,14 @@ def test_smoke_run_writes_rows_verdict_and_svg(tmp_path):
     assert abs(verdict["rel_diff"]) < 0.01 and verdict["within_1pct"] is True and verdict["diverged"] is None
     svg = ET.parse(out / "fp8_fidelity_124m.svg").getroot()
     assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 4
+    # FIDELITY_REUSE=1: the finished runs are reported again without training (train_gpt would fail here)
+    env.update(FIDELITY_REUSE="1", FIDELITY_TRAIN_GPT="/bin/false")
+    r = subprocess.run(["bash", os.path.join(REPO, "bench", "run_fp8_fidelity.sh"), "unused", "124m"], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0 and r.stdout.count("reused (FIDELITY_REUSE=1)") == 2, r.stdout[-3000:] + r.stderr
+    again = [json.loads(l) for l in open(out / "smoke.jsonl")][3:]
+    assert [a["final_eval_loss"] for a in again[:2]] == [bf16["final_eval_loss"], fp8["final_eval_loss"]]
+    assert again[2]["rel_diff"] == verdict["rel_diff"]
 
 
 def _metrics(path, evals, train):
