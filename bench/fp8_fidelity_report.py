@@ -4,8 +4,9 @@ fp8_ends, bf16_seed2 ... as bench/run_fp8_fidelity.sh names them). Appends to --
 bmt, kind fp8_fidelity, variant, fp8, the held-out curve, the final held-out and training losses, tokens/s) and one
 comparison row per variant against bf16 (the final held-out losses' relative difference, whether it is within 1%,
 whether either run diverged: a non-finite loss, or a held-out loss that ends above its minimum by more than 10%),
-and, where a recipe and bf16 both ran with 2+ seeds (NAME_seedN), one on the seed means (with bf16's seed spread),
-all with $BMT_CALL_ID; writes --svg, the held-out curves and the training losses of bf16 and the first variant (a
+and, where a recipe and bf16 both ran with 2+ seeds (NAME_seedN), one on the seed means (with bf16's seed spread and
+the same-seed pairs' differences), all with $BMT_CALL_ID. A run that stopped before bf16's last step (a time limit)
+keeps its row, marked complete: false, and enters no verdict; writes --svg, the held-out curves and the training losses of bf16 and the first variant (a
 20-step running mean) on one chart. Prints one verdict line per variant."""
 import argparse
 import json
@@ -126,8 +127,13 @@ def main():
                           tokens_per_s=sorted(speeds)[len(speeds) // 2] if speeds else None,
                           diverged=diverged(evals, train) or None)
     ref = rows["bf16"]
-    verdicts = []
     for name, row in rows.items():
+        row["complete"] = row["steps"] >= ref["steps"] and row["eval_curve"][-1][0] >= ref["eval_curve"][-1][0]
+        if not row["complete"]:
+            print(f"[fp8_fidelity] {a.config}: {name} stopped at step {row['steps']} of {ref['steps']}: no verdict")
+    done = {n: r for n, r in rows.items() if r["complete"]}
+    verdicts = []
+    for name, row in done.items():
         if name == "bf16":
             continue
         e16, e = ref["final_eval_loss"], row["final_eval_loss"]
@@ -139,7 +145,7 @@ def main():
               f"({100 * rel:+.2f}%, within 1%: {abs(rel) <= 0.01}), diverged: {verdicts[-1]['diverged'] or 'no'}")
     # runs of one recipe with other seeds (NAME_seedN): the verdict on the seed means, where both sides have 2+ runs
     groups = {}
-    for name, row in rows.items():
+    for name, row in done.items():
         groups.setdefault(recipe(name), []).append(row["final_eval_loss"])
     ref_losses = groups.get("bf16", [])
     for name, losses in groups.items():
@@ -147,14 +153,22 @@ def main():
             continue
         m16, m = sum(ref_losses) / len(ref_losses), sum(losses) / len(losses)
         rel = (m - m16) / m16
+        # same init and data order on both sides: name_seedN against bf16_seedN (seed 1 has no suffix)
+        pairs = {}
+        for n, r in done.items():
+            if recipe(n) == name:
+                twin = "bf16" + n[len(name):]
+                if twin in done:
+                    pairs[n] = (r["final_eval_loss"] - done[twin]["final_eval_loss"]) / done[twin]["final_eval_loss"]
         verdicts.append(dict(base, comparison=f"{name}_seedmean_vs_bf16_seedmean", variant=name, steps=ref["steps"],
                              seeds_bf16=len(ref_losses), seeds_variant=len(losses), final_eval_loss_bf16=m16,
                              final_eval_loss_variant=m, rel_diff=rel, within_1pct=abs(rel) <= 0.01,
-                             bf16_seed_spread=(max(ref_losses) - min(ref_losses)) / m16,
-                             diverged=any(rows[n]["diverged"] for n in rows if recipe(n) in (name, "bf16")) or None))
+                             bf16_seed_spread=(max(ref_losses) - min(ref_losses)) / m16, paired_rel_diffs=pairs,
+                             diverged=any(done[n]["diverged"] for n in done if recipe(n) in (name, "bf16")) or None))
         print(f"RESULT fidelity {a.config} {name} over {len(losses)} seeds: held-out mean bf16 {m16:.4f} ({len(ref_losses)} "
               f"seeds, spread {100 * verdicts[-1]['bf16_seed_spread']:.2f}%) {name} {m:.4f} ({100 * rel:+.2f}%, "
-              f"within 1%: {abs(rel) <= 0.01})")
+              f"within 1%: {abs(rel) <= 0.01}); same-seed pairs "
+              + ", ".join(f"{n} {100 * d:+.2f}%" for n, d in pairs.items()))
     with open(a.results, "a") as f:
         for r in list(rows.values()) + verdicts:
             f.write(json.dumps(r) + "\n")

@@ -141,3 +141,27 @@ def test_report_verdict_on_seed_means(tmp_path):
     assert abs(mean["bf16_seed_spread"] - 0.04 / 2.02) < 1e-9
     assert "fp8_ends_seedmean_vs_bf16_seedmean" not in verdicts
     assert "over 2 seeds" in r.stdout
+    pairs = mean["paired_rel_diffs"]  # fp8 against bf16 (seed 1), fp8_seed2 against bf16_seed2
+    assert sorted(pairs) == ["fp8", "fp8_seed2"] and abs(pairs["fp8"] - 0.025) < 1e-9
+    assert abs(pairs["fp8_seed2"] - (2.03 - 2.04) / 2.04) < 1e-9
+
+
+def test_report_leaves_an_unfinished_run_out_of_the_verdicts(tmp_path):
+    full = [(s, 3.0 - s / 100) for s in range(1, 101)]
+    runs = {"bf16": ([(0, 5.0), (50, 3.0), (100, 2.0)], full), "bf16_seed2": ([(0, 5.0), (100, 2.02)], full),
+            "fp8": ([(0, 5.0), (100, 2.01)], full), "fp8_seed2": ([(0, 5.0), (50, 2.6)], full[:64])}
+    args = []
+    for name, (evals, train) in runs.items():
+        path = tmp_path / f"{name}.jsonl"
+        _metrics(path, evals, train)
+        args += ["--bf16", str(path)] if name == "bf16" else ["--run", f"{name}={path}"]
+    res = tmp_path / "res.jsonl"
+    r = subprocess.run([sys.executable, REPORT, "--config", "x"] + args + ["--results", str(res), "--svg",
+                        str(tmp_path / "c.svg")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(l) for l in open(res)]
+    cut = next(x for x in rows if x.get("variant") == "fp8_seed2" and "comparison" not in x)
+    assert cut["complete"] is False and cut["steps"] == 64
+    assert "fp8_seed2 stopped at step 64 of 100: no verdict" in r.stdout
+    comparisons = sorted(x["comparison"] for x in rows if "comparison" in x)
+    assert comparisons == ["bf16_seed2_vs_bf16", "fp8_vs_bf16"]  # no seed mean: fp8 has one finished seed
