@@ -13,6 +13,7 @@
 
 #include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/nn/fp8_linear.h"
+#include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fused_reductions.h"
 #include "fp8_reference.h"
 
@@ -319,5 +320,30 @@ TEST(Fp8Linear, ResidualVariantIsTheResidualPlusTheLinear) {
     EXPECT_NE(std::string(e.what()).find("residual [2, 16, 16] does not match the output [2, 16, 32]"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// nn::fp8_cast_grad: the bias gradient (when asked for) is nn::column_sum's and the copies are fp8_cast_as's, for
+// both scalings and with or without the bias (the CUDA variant, whose amax comes from the sum, is checked against
+// the separate ops in tests/cuda/test_fp8_cuda.cpp).
+TEST(Fp8Linear, GradientCastWithTheBiasGradientEqualsTheSeparateOps) {
+  at::manual_seed(31);
+  const at::Tensor dy = (at::randn({48, 32}) * 4).to(at::kBFloat16);
+  for (bmt::nn::Fp8Scaling scaling : {bmt::nn::Fp8Scaling::kTensor, bmt::nn::Fp8Scaling::kRow}) {
+    at::Tensor db;
+    const bmt::nn::Fp8Tensor got =
+        bmt::nn::fp8_cast_grad(scaling, dy, bmt::nn::Fp8Format::kE5M2, true, true, &db, at::kFloat);
+    const bmt::nn::Fp8Tensor want = bmt::nn::fp8_cast_as(scaling, dy, bmt::nn::Fp8Format::kE5M2, true, true);
+    ASSERT_TRUE(db.defined());
+    EXPECT_TRUE(at::equal(db, bmt::nn::column_sum(dy, at::kFloat)));
+    EXPECT_EQ(db.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(got.data.view(at::kByte), want.data.view(at::kByte)));
+    EXPECT_TRUE(at::equal(got.data_t.view(at::kByte), want.data_t.view(at::kByte)));
+    EXPECT_TRUE(at::equal(got.inv_scale(), want.inv_scale()) && at::equal(got.inv_scale_t(), want.inv_scale_t()));
+    // without a bias nothing is summed
+    const bmt::nn::Fp8Tensor plain =
+        bmt::nn::fp8_cast_grad(scaling, dy, bmt::nn::Fp8Format::kE5M2, false, true, nullptr, at::kFloat);
+    EXPECT_FALSE(plain.data.defined());
+    EXPECT_TRUE(at::equal(plain.data_t.view(at::kByte), want.data_t.view(at::kByte)));
   }
 }
