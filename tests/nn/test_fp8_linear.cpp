@@ -345,5 +345,11 @@ TEST(Fp8Linear, GradientCastWithTheBiasGradientEqualsTheSeparateOps) {
         bmt::nn::fp8_cast_grad(scaling, dy, bmt::nn::Fp8Format::kE5M2, false, true, nullptr, at::kFloat);
     EXPECT_FALSE(plain.data.defined());
     EXPECT_TRUE(at::equal(plain.data_t.view(at::kByte), want.data_t.view(at::kByte)));
+    // neither copy asked for: only the sums, no cast
+    at::Tensor db_only;
+    const bmt::nn::Fp8Tensor none =
+        bmt::nn::fp8_cast_grad(scaling, dy, bmt::nn::Fp8Format::kE5M2, false, false, &db_only, at::kFloat);
+    EXPECT_TRUE(at::equal(db_only, db));
+    EXPECT_FALSE(none.data.defined() || none.data_t.defined() || none.inv.defined());
   }
 }

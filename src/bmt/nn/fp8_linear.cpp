@@ -92,20 +92,15 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
     const bool want_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
     at::Tensor dx, dw, db;
-    if (want_dx || want_dw) {
-      // (one cast for both copies; the bias gradient's read of dy also takes dy's amax)
-      const Fp8Tensor dyq =
-          fp8_cast_grad(scaling, dy2, grad_format, want_dx, want_dw, want_db ? &db : nullptr, w_dtype);
-      if (want_dx) {
-        const Fp8Tensor wq = fp8_cast_as(scaling, weight, Fp8Format::kE4M3, false, true);  // W^T [in, out] row-major
-        dx = fp8_scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), grads[0].scalar_type(), false,
-                           std::nullopt)
-                 .view(x_sizes);
-      }
-      if (want_dw) dw = fp8_scaled_mm(dyq.data_t, dyq.inv_scale_t(), xt8, x_inv, w_dtype, false, std::nullopt);
-    } else if (want_db) {
-      db = column_sum(dy2, w_dtype);
+    // (one cast for both copies; the bias gradient's read of dy also takes dy's amax)
+    const Fp8Tensor dyq = fp8_cast_grad(scaling, dy2, grad_format, want_dx, want_dw, want_db ? &db : nullptr, w_dtype);
+    if (want_dx) {
+      const Fp8Tensor wq = fp8_cast_as(scaling, weight, Fp8Format::kE4M3, false, true);  // W^T [in, out] row-major
+      dx = fp8_scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), grads[0].scalar_type(), false,
+                         std::nullopt)
+               .view(x_sizes);
     }
+    if (want_dw) dw = fp8_scaled_mm(dyq.data_t, dyq.inv_scale_t(), xt8, x_inv, w_dtype, false, std::nullopt);
     at::Tensor dres;
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(3)) dres = grads[0];
     return {dx, dw, db, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -212,14 +207,16 @@ Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, boo
 
 Fp8Tensor fp8_cast_grad(Fp8Scaling scaling, const at::Tensor& dy, Fp8Format format, bool row_major, bool transposed,
                         at::Tensor* db, at::ScalarType sum_dtype) {
-  if (!db) return fp8_cast_as(scaling, dy, format, row_major, transposed);
-  if (scaling == Fp8Scaling::kTensor && dy.is_cuda() && g_amax_from_sum.enabled()) {
-    at::Tensor partials;
-    *db = column_sum(dy, sum_dtype, &partials);
-    return cast_per_tensor(dy, format, row_major, transposed, partials);
+  const bool cast = row_major || transposed;
+  if (db) {
+    if (cast && scaling == Fp8Scaling::kTensor && dy.is_cuda() && g_amax_from_sum.enabled()) {
+      at::Tensor partials;
+      *db = column_sum(dy, sum_dtype, &partials);
+      return cast_per_tensor(dy, format, row_major, transposed, partials);
+    }
+    *db = column_sum(dy, sum_dtype);
   }
-  *db = column_sum(dy, sum_dtype);
-  return fp8_cast_as(scaling, dy, format, row_major, transposed);
+  return cast ? fp8_cast_as(scaling, dy, format, row_major, transposed) : Fp8Tensor();
 }
 
 Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_major, bool transposed) {

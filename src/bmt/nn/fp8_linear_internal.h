@@ -21,7 +21,8 @@ Fp8Tensor fp8_cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format,
 
 // dy's FP8 copies as fp8_cast_as gives them and, with db, its column sums in sum_dtype (the bias gradient, what
 // nn::column_sum gives). On CUDA with per-tensor scales the column-sum kernel also takes dy's amax, so the cast reads
-// dy once instead of twice (amax pass, cast pass); the bytes, statistics and sums are the same either way.
+// dy once instead of twice (amax pass, cast pass); the bytes, statistics and sums are the same either way. Neither
+// copy asked for: no cast (an empty Fp8Tensor), only the sums.
 Fp8Tensor fp8_cast_grad(Fp8Scaling scaling, const at::Tensor& dy, Fp8Format format, bool row_major, bool transposed,
                         at::Tensor* db, at::ScalarType sum_dtype);
 

@@ -86,39 +86,31 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     const bool want_dw2 = ctx->needs_input_grad(3);
     const bool want_db2 = ctx->needs_input_grad(4);
     at::Tensor dx, dw1, db1, dw2, db2, dres;
-    if (want_dpre || want_dw2) {
-      // (the bias gradients' reads of dy and d pre also take their amax: one read less per cast)
-      const Fp8Tensor dyq = fp8_cast_grad(Fp8Scaling::kTensor, dy2, gf, want_dpre, want_dw2,
-                                          want_db2 ? &db2 : nullptr, w_proj.scalar_type());
-      if (want_dw2) dw2 = fp8_scaled_mm(dyq.data_t, dyq.inv, ht8, h_inv, w_proj.scalar_type(), false, std::nullopt);
-      if (want_dpre) {
-        // d pre = (dy w_proj) * gelu'(pre): GELU's gradient in the GEMM's epilogue (large problems, see
-        // kDGeluMinOutputs), else after it
-        const Fp8Tensor w2t = fp8_cast(w_proj, kE4M3, false, true);  // w_proj^T [hidden, out] row-major
-        at::Tensor dpre = at::empty_like(pre);
-        const bool done = epilogues && (!pre.is_cuda() || (g_dgelu.enabled() && pre.numel() >= kDGeluMinOutputs)) &&
-                          fp8_gemm_epilogue(k::GemmEpilogue::kDGelu, dyq.data, gf, dyq.inv, w2t.data_t, kE4M3,
-                                            w2t.inv, false, dpre, at::Tensor(), pre, at::Tensor());
-        if (!done)
-          dpre = at::gelu_backward(fp8_scaled_mm(dyq.data, dyq.inv, w2t.data_t, w2t.inv, dtype, false, std::nullopt),
-                                   pre, "tanh");
-        const bool want_dx = ctx->needs_input_grad(0), want_dw1 = ctx->needs_input_grad(1);
-        const bool want_db1 = ctx->needs_input_grad(2);
-        Fp8Tensor dpq;
-        if (want_dx || want_dw1)
-          dpq = fp8_cast_grad(Fp8Scaling::kTensor, dpre, gf, want_dx, want_dw1, want_db1 ? &db1 : nullptr,
-                              w_fc.scalar_type());
-        else if (want_db1)
-          db1 = column_sum(dpre, w_fc.scalar_type());
-        if (want_dx) {
-          const Fp8Tensor w1t = fp8_cast(w_fc, kE4M3, false, true);  // w_fc^T [in, hidden] row-major
-          dx = fp8_scaled_mm(dpq.data, dpq.inv, w1t.data_t, w1t.inv, dtype, false, std::nullopt)
-                   .view(ctx->saved_data["x_sizes"].toIntVector());
-        }
-        if (want_dw1) dw1 = fp8_scaled_mm(dpq.data_t, dpq.inv, xt8, x_inv, w_fc.scalar_type(), false, std::nullopt);
+    // (the bias gradients' reads of dy and d pre also take their amax: one read less per cast)
+    const Fp8Tensor dyq = fp8_cast_grad(Fp8Scaling::kTensor, dy2, gf, want_dpre, want_dw2, want_db2 ? &db2 : nullptr,
+                                        w_proj.scalar_type());
+    if (want_dw2) dw2 = fp8_scaled_mm(dyq.data_t, dyq.inv, ht8, h_inv, w_proj.scalar_type(), false, std::nullopt);
+    if (want_dpre) {
+      // d pre = (dy w_proj) * gelu'(pre): GELU's gradient in the GEMM's epilogue (large problems, see
+      // kDGeluMinOutputs), else after it
+      const Fp8Tensor w2t = fp8_cast(w_proj, kE4M3, false, true);  // w_proj^T [hidden, out] row-major
+      at::Tensor dpre = at::empty_like(pre);
+      const bool done = epilogues && (!pre.is_cuda() || (g_dgelu.enabled() && pre.numel() >= kDGeluMinOutputs)) &&
+                        fp8_gemm_epilogue(k::GemmEpilogue::kDGelu, dyq.data, gf, dyq.inv, w2t.data_t, kE4M3,
+                                          w2t.inv, false, dpre, at::Tensor(), pre, at::Tensor());
+      if (!done)
+        dpre = at::gelu_backward(fp8_scaled_mm(dyq.data, dyq.inv, w2t.data_t, w2t.inv, dtype, false, std::nullopt),
+                                 pre, "tanh");
+      const bool want_dx = ctx->needs_input_grad(0), want_dw1 = ctx->needs_input_grad(1);
+      const bool want_db1 = ctx->needs_input_grad(2);
+      const Fp8Tensor dpq = fp8_cast_grad(Fp8Scaling::kTensor, dpre, gf, want_dx, want_dw1,
+                                          want_db1 ? &db1 : nullptr, w_fc.scalar_type());
+      if (want_dx) {
+        const Fp8Tensor w1t = fp8_cast(w_fc, kE4M3, false, true);  // w_fc^T [in, hidden] row-major
+        dx = fp8_scaled_mm(dpq.data, dpq.inv, w1t.data_t, w1t.inv, dtype, false, std::nullopt)
+                 .view(ctx->saved_data["x_sizes"].toIntVector());
       }
-    } else if (want_db2) {
-      db2 = column_sum(dy2, w_proj.scalar_type());
+      if (want_dw1) dw1 = fp8_scaled_mm(dpq.data_t, dpq.inv, xt8, x_inv, w_fc.scalar_type(), false, std::nullopt);
     }
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(5)) dres = grads[0];
     return {dx, dw1, db1, dw2, db2, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};

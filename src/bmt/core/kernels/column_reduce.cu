@@ -147,7 +147,7 @@ void launch_partials(const void* dy, const void* x, DType dtype, const float* me
     case DType::kBFloat16:
       partial_sums_kernel<DType::kBFloat16, kOutputs><<<grid, kStage1Threads, 0, s>>>(dy, x, mean, rstd, rows, cols,
                                                                                      plan.rows_per_slab, vec, partial,
-                                                                                    amax_partial);
+                                                                                     amax_partial);
       break;
     default:
       partial_sums_kernel<DType::kFloat16, kOutputs><<<grid, kStage1Threads, 0, s>>>(dy, x, mean, rstd, rows, cols,
