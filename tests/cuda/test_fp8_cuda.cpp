@@ -37,6 +37,18 @@ bool fp8_gemm_device() {
   return major * 10 + minor >= 89;
 }
 
+// The device statistics {amax, scale, inv_scale} and the inverse scale's own copy against the CPU twin's (a NaN
+// equals a NaN).
+void expect_stats(const at::Tensor& stats, const at::Tensor& inv_copy, const float (&want)[3], const std::string& what) {
+  const at::Tensor got = stats.cpu();
+  for (int i = 0; i < 3; ++i) {
+    const float g = got[i].item<float>(), w = want[i];
+    EXPECT_TRUE(g == w || (std::isnan(g) && std::isnan(w))) << what << ": stat " << i << " " << g << " vs " << w;
+  }
+  const float inv = inv_copy.item<float>(), want_inv = want[k::kFp8InvScale];
+  EXPECT_TRUE(inv == want_inv || (std::isnan(inv) && std::isnan(want_inv))) << what << ": inverse scale copy " << inv;
+}
+
 // Runs both variants on x (a CPU tensor viewed from `offset` elements into its storage) and compares.
 void compare(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t cols, k::Fp8Format f, bool rowwise,
              bool transposed, const std::string& what) {
@@ -59,13 +71,7 @@ void compare(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t cols,
                     stream(), inv_copy.data_ptr<float>());
   k::fp8_cast_cuda(src, dt, rows, cols, stats.data_ptr<float>(), f, rowwise ? q.data_ptr<uint8_t>() : nullptr,
                    transposed ? qt.data_ptr<uint8_t>() : nullptr, stream());
-  const at::Tensor got_stats = stats.cpu();
-  for (int i = 0; i < 3; ++i) {
-    const float g = got_stats[i].item<float>(), w = want_stats[i];
-    EXPECT_TRUE(g == w || (std::isnan(g) && std::isnan(w))) << what << ": stat " << i << " " << g << " vs " << w;
-  }
-  const float inv = inv_copy.item<float>(), want_inv = want_stats[k::kFp8InvScale];
-  EXPECT_TRUE(inv == want_inv || (std::isnan(inv) && std::isnan(want_inv))) << what << ": inverse scale copy " << inv;
+  expect_stats(stats, inv_copy, want_stats, what);
   if (std::isnan(want_stats[k::kFp8Scale])) {  // NaN scales: every byte a NaN (the sign may differ)
     if (rowwise) {
       EXPECT_TRUE((q.cpu().bitwise_and(0x7f) == 0x7f).all().item<bool>()) << what;
@@ -148,13 +154,7 @@ TEST(Fp8CastCuda, ColumnSumAmaxGivesTheScaleStatistics) {
         at::Tensor stats = at::empty({3}, opts.dtype(at::kFloat)), inv = at::full({}, -1.0f, opts.dtype(at::kFloat));
         k::fp8_scale_from_partials_cuda(static_cast<const uint32_t*>(partials.data_ptr()), partials.numel(), f,
                                         stats.data_ptr<float>(), stream(), inv.data_ptr<float>());
-        const at::Tensor got = stats.cpu();
-        for (int i = 0; i < 3; ++i) {
-          const float g = got[i].item<float>(), w = want[i];
-          EXPECT_TRUE(g == w || (std::isnan(g) && std::isnan(w))) << what << ": stat " << i << " " << g << " vs " << w;
-        }
-        const float gi = inv.item<float>(), wi = want[k::kFp8InvScale];
-        EXPECT_TRUE(gi == wi || (std::isnan(gi) && std::isnan(wi))) << what << ": inverse scale copy " << gi;
+        expect_stats(stats, inv, want, what);
       }
     }
   }
