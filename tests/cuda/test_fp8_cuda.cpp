@@ -375,3 +375,41 @@ TEST(Fp8LinearCuda, ResidualInTheEpilogueMatchesTheSeparateAdd) {
       << "max difference " << (yf - ys).abs().max().item<double>();
   for (size_t i = 1; i < fused.size(); ++i) EXPECT_TRUE(at::equal(fused[i], separate[i])) << "gradient " << i;
 }
+
+// BMT_GEMM_AUTOTUNE's path (the core's cuBLASLt GEMMs with timed candidate algorithms, taking also the GEMMs that
+// go to _scaled_mm otherwise: the backward's and a plain biased forward) against the default one: the same FP8 bytes
+// and scales through other GEMM algorithms, so the outputs and gradients are one bf16 rounding and an fp32 summation
+// order apart (relative norm ~2^-9; a wrong layout or scale would be off by ~1). Twice tuned: the tuning call and the
+// cached algorithms.
+TEST(Fp8LinearCuda, AutotunedGemmsMatchTheDefaultPath) {
+  if (!fp8_gemm_device()) GTEST_SKIP() << "no CUDA device with FP8 tensor cores (8.9+)";
+  at::manual_seed(29);
+  const auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16).cuda(); };
+  const int64_t rows = 1024, d = 768;
+  const at::Tensor x = bf(at::randn({rows, d})), w = bf(at::randn({3 * d, d}) * 0.04), b = bf(at::randn({3 * d}));
+  const at::Tensor w1 = bf(at::randn({4 * d, d}) * 0.04), b1 = bf(at::randn({4 * d}) * 0.1);
+  const at::Tensor w2 = bf(at::randn({d, 4 * d}) * 0.02), b2 = bf(at::randn({d}) * 0.1), r = bf(at::randn({rows, d}));
+  const at::Tensor g = bf(at::randn({rows, 3 * d})), gm = bf(at::randn({rows, d}));
+  auto run = [&](bool tune) {
+    bmt::nn::set_gemm_autotune_enabled(tune);
+    std::vector<at::Tensor> p;
+    for (const at::Tensor& t : {x, w, b, x, w1, b1, w2, b2, r}) p.push_back(t.clone().requires_grad_());
+    const at::Tensor y = bmt::nn::fp8_linear(p[0], p[1], p[2]);
+    y.backward(g);
+    const at::Tensor ym = bmt::nn::fp8_gelu_mlp(p[3], p[4], p[5], p[6], p[7], p[8], bmt::nn::Fp8Format::kE5M2);
+    ym.backward(gm);
+    bmt::nn::set_gemm_autotune_enabled(false);
+    std::vector<at::Tensor> out = {y.detach(), ym.detach()};
+    for (const at::Tensor& t : p) out.push_back(t.grad());
+    return out;
+  };
+  const auto plain = run(false), tuned = run(true), cached = run(true);
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    const at::Tensor x = a.cpu().to(at::kDouble), y = b.cpu().to(at::kDouble);
+    return (x - y).norm().item<double>() / y.norm().item<double>();
+  };
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_LT(rel(tuned[i], plain[i]), 1e-2) << "output/gradient " << i << " (tuning call)";
+    EXPECT_LT(rel(cached[i], plain[i]), 1e-2) << "output/gradient " << i << " (cached algorithms)";
+  }
+}

@@ -8,6 +8,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
+#include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_linear_internal.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
@@ -116,6 +117,18 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
 // write of the output instead of a write, a read and a write), after the GEMM elsewhere.
 at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at::Tensor& b, const at::Tensor& b_inv,
                          at::ScalarType out_dtype, bool fast_accum, const std::optional<at::Tensor>& bias) {
+  // (autotuning on: the core's cuBLASLt GEMM, which times its candidate algorithms, where it takes the problem)
+  const bool half_out = out_dtype == at::kBFloat16 || out_dtype == at::kHalf;
+  if (gemm_autotune_enabled() && a_inv.dim() == 0 && a.is_cuda() && half_out &&
+      (!bias || bias->scalar_type() == out_dtype)) {
+    const at::Tensor out = at::empty({a.size(0), b.size(0)}, a.options().dtype(out_dtype));
+    const auto format = [](const at::Tensor& t) {
+      return t.scalar_type() == at::kFloat8_e4m3fn ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+    };
+    if (fp8_gemm_epilogue(k::GemmEpilogue::kBias, a, format(a), a_inv, b, format(b), b_inv, fast_accum, out,
+                          bias ? bias->contiguous() : at::Tensor(), at::Tensor(), at::Tensor()))
+      return out;
+  }
   if (bias && a_inv.dim() == 0 && a.is_cuda() && out_dtype != at::kFloat && bias->scalar_type() == out_dtype)
     return at::_scaled_mm(a, b.t(), a_inv, b_inv, *bias, std::nullopt, out_dtype, fast_accum);
   if (bias) return fp8_scaled_mm(a, a_inv, b, b_inv, out_dtype, fast_accum, std::nullopt).add_(*bias);

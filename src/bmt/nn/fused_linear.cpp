@@ -30,7 +30,9 @@ bool run_gemm_epilogue(const core::kernels::GemmEpilogueArgs& g, const at::Tenso
   namespace k = core::kernels;
   // (from the caching allocator, so it is ordered on this stream and lives in a CUDA graph's pool when captured)
   const at::Tensor ws = at::empty({static_cast<int64_t>(k::kGemmEpilogueWorkspaceNbytes)}, like.options().dtype(at::kByte));
-  return k::gemm_epilogue_cuda(g, ws.data_ptr(), k::kGemmEpilogueWorkspaceNbytes, current_stream_handle(like));
+  k::GemmEpilogueArgs tuned = g;
+  tuned.autotune_candidates = gemm_autotune_enabled() ? kGemmAutotuneCandidates : 0;
+  return k::gemm_epilogue_cuda(tuned, ws.data_ptr(), k::kGemmEpilogueWorkspaceNbytes, current_stream_handle(like));
 #else
   BMT_ERROR("nn: an epilogue GEMM on CUDA tensors, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
 #endif
@@ -43,6 +45,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 EnvSwitch g_enabled("BMT_GEMM_EPILOGUES");
+EnvSwitch g_autotune("BMT_GEMM_AUTOTUNE", false);
 EnvChoice<GeluMlpBackward, 3> g_backward("BMT_GELU_MLP_BACKWARD", {{{"dgelu", GeluMlpBackward::kDGelu},
                                                                     {"dgelu_bgrad", GeluMlpBackward::kDGeluBGrad},
                                                                     {"separate", GeluMlpBackward::kSeparate}}});
@@ -219,6 +222,10 @@ bool fused_path_applies(std::initializer_list<const at::Tensor*> ts) {
 bool gemm_epilogues_enabled() { return g_enabled.enabled(); }
 
 void set_gemm_epilogues_enabled(bool enabled) { g_enabled.set(enabled); }
+
+bool gemm_autotune_enabled() { return g_autotune.enabled(); }
+
+void set_gemm_autotune_enabled(bool enabled) { g_autotune.set(enabled); }
 
 GeluMlpBackward gelu_mlp_backward() { return g_backward.get(); }
 

@@ -43,6 +43,14 @@ at::Tensor linear_after_gelu_fused(const at::Tensor& h, const at::Tensor& pre, c
 bool gemm_epilogues_enabled();
 void set_gemm_epilogues_enabled(bool enabled);
 
+// The epilogue GEMMs' algorithm autotuning on CUDA: on each GEMM shape's first use, time cuBLASLt's candidate
+// algorithms (up to kGemmAutotuneCandidates) and keep the fastest; with it on, the per-tensor FP8 GEMMs that
+// otherwise go through at::_scaled_mm (the FP8 linears' backward GEMMs and plain forward) take the same tuned
+// path. Default: off unless the environment sets BMT_GEMM_AUTOTUNE=1.
+constexpr int kGemmAutotuneCandidates = 8;
+bool gemm_autotune_enabled();
+void set_gemm_autotune_enabled(bool enabled);
+
 // How the fused MLP's backward gets d pre = (dy w_proj) * gelu'(pre) and c_fc's bias gradient:
 //   kDGelu       cuBLASLt's DGELU epilogue, then our column sums (default)
 //   kDGeluBGrad  cuBLASLt's DGELU_BGRAD (both in the GEMM's epilogue)

@@ -6,10 +6,13 @@
 // which puts the features on D's rows: the bias and the bias gradient are per row of D', as cuBLASLt wants.
 //
 // One cuBLASLt handle per device, created on first use; the algorithm for each problem (shape, dtype, epilogue,
-// operands' alignment) is asked of the heuristic once and cached, so the hot path only builds descriptors.
+// operands' alignment) is asked of the heuristic once and cached, so the hot path only builds descriptors. With
+// autotune_candidates > 1 the first use times the heuristic's candidates instead (its first choice is not always the
+// fastest at a given shape) and caches the fastest.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <map>
@@ -97,8 +100,65 @@ int fp8_code(const Fp8GemmOperands* f) {
 using ProblemKey = std::tuple<int, int64_t, int64_t, int64_t, bool, int, int, bool, bool, uint32_t, size_t, int>;
 struct CachedAlgo {
   bool found = false;
+  bool tuned = false;  // chosen by timing (else the heuristic's first choice, which a tuning call may replace)
   cublasLtMatmulAlgo_t algo{};
 };
+
+// The matmul of one call with everything but the algorithm fixed.
+struct Matmul {
+  cublasLtHandle_t handle;
+  const Descriptors* desc;
+  const GemmEpilogueArgs* g;
+  void* workspace;
+  size_t workspace_nbytes;
+  cudaStream_t stream;
+  cublasStatus_t operator()(const cublasLtMatmulAlgo_t& algo) const {
+    const float alpha = 1.0f, beta = g->residual ? 1.0f : 0.0f;
+    const void* c = g->residual ? g->residual : g->out;
+    return cublasLtMatmul(handle, desc->op, &alpha, g->b, desc->a, g->a, desc->b, &beta, c, desc->d, g->out, desc->d,
+                          &algo, workspace, workspace_nbytes, stream);
+  }
+};
+
+struct EventPair {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  EventPair() {
+    BMT_CHECK(cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess,
+              "gemm_epilogue_cuda: cudaEventCreate failed (autotuning)");
+  }
+  ~EventPair() {
+    if (stop) cudaEventDestroy(stop);
+    if (start) cudaEventDestroy(start);
+  }
+};
+
+// Index of the fastest candidate: each runs once (warm-up; a candidate that fails there is skipped), then
+// kTimedRuns times between two events. Every run writes the call's real outputs, which the caller's final run
+// overwrites (out, aux, the bias gradient); out aliasing the residual is excluded by the caller.
+int fastest_candidate(const Matmul& run, const cublasLtMatmulHeuristicResult_t* candidates, int n) {
+  constexpr int kTimedRuns = 3;
+  EventPair ev;
+  int best = 0;
+  float best_ms = -1.0f;
+  for (int i = 0; i < n; ++i) {
+    if (candidates[i].state != CUBLAS_STATUS_SUCCESS || run(candidates[i].algo) != CUBLAS_STATUS_SUCCESS) continue;
+    BMT_CHECK(cudaEventRecord(ev.start, run.stream) == cudaSuccess, "gemm_epilogue_cuda: cudaEventRecord failed");
+    bool ok = true;
+    for (int r = 0; r < kTimedRuns; ++r) ok = ok && run(candidates[i].algo) == CUBLAS_STATUS_SUCCESS;
+    BMT_CHECK(cudaEventRecord(ev.stop, run.stream) == cudaSuccess && cudaEventSynchronize(ev.stop) == cudaSuccess,
+              "gemm_epilogue_cuda: timing a candidate algorithm failed");
+    float ms = 0.0f;
+    BMT_CHECK(cudaEventElapsedTime(&ms, ev.start, ev.stop) == cudaSuccess, "gemm_epilogue_cuda: cudaEventElapsedTime");
+    if (ok && (best_ms < 0.0f || ms < best_ms)) best = i, best_ms = ms;
+  }
+  return best;
+}
+
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  BMT_CHECK(cudaStreamIsCapturing(stream, &status) == cudaSuccess, "gemm_epilogue_cuda: cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
 
 }  // namespace
 
@@ -144,16 +204,19 @@ bool gemm_epilogue_cuda(const GemmEpilogueArgs& g, void* workspace, size_t works
   BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, b_type, g.inner, g.rows, g.inner));  // B' = a
   BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, type, g.cols, g.rows, g.cols));    // C' = D' = out
 
+  const cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
+  const Matmul run{handle, &desc, &g, workspace, workspace_nbytes, cuda_stream};
   static std::mutex cache_mu;
   static std::map<ProblemKey, CachedAlgo> cache;
   const ProblemKey key{device, g.rows, g.cols, g.inner, g.b_transposed, static_cast<int>(g.dtype),
                        static_cast<int>(g.epilogue), g.residual != nullptr, g.bias != nullptr, align,
                        workspace_nbytes, fp8_code(f8)};
+  const bool tune = g.autotune_candidates > 1 && g.out != g.residual && !stream_capturing(cuda_stream);
   CachedAlgo algo;
   {
     std::lock_guard<std::mutex> lock(cache_mu);
     auto it = cache.find(key);
-    if (it != cache.end()) {
+    if (it != cache.end() && (it->second.tuned || !tune || !it->second.found)) {
       algo = it->second;
     } else {
       BMT_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
@@ -164,23 +227,25 @@ bool gemm_epilogue_cuda(const GemmEpilogueArgs& g, void* workspace, size_t works
            {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
             CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
         BMT_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &align, sizeof(align)));
-      cublasLtMatmulHeuristicResult_t result{};
+      constexpr int kMaxCandidates = 16;
+      cublasLtMatmulHeuristicResult_t results[kMaxCandidates] = {};
+      const int wanted = tune ? std::min(g.autotune_candidates, kMaxCandidates) : 1;
       int returned = 0;
       const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d,
-                                                               desc.pref, 1, &result, &returned);
+                                                               desc.pref, wanted, results, &returned);
       BMT_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED,
                 "cuBLASLt: cublasLtMatmulAlgoGetHeuristic failed: ", cublasLtGetStatusString(st), " (", g.rows, "x",
                 g.cols, "x", g.inner, ", ", gemm_epilogue_name(g.epilogue), ")");
-      algo.found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS;
-      if (algo.found) algo.algo = result.algo;
-      cache.emplace(key, algo);
+      if (st != CUBLAS_STATUS_SUCCESS) returned = 0;
+      const int pick = returned > 1 ? fastest_candidate(run, results, returned) : 0;
+      algo.found = returned > 0 && results[pick].state == CUBLAS_STATUS_SUCCESS;
+      algo.tuned = tune;
+      if (algo.found) algo.algo = results[pick].algo;
+      cache[key] = algo;
     }
   }
   if (!algo.found) return false;
-  const float alpha = 1.0f, beta = g.residual ? 1.0f : 0.0f;
-  const void* c = g.residual ? g.residual : g.out;
-  BMT_CUBLASLT_CHECK(cublasLtMatmul(handle, desc.op, &alpha, g.b, desc.a, g.a, desc.b, &beta, c, desc.d, g.out, desc.d,
-                                    &algo.algo, workspace, workspace_nbytes, static_cast<cudaStream_t>(stream)));
+  BMT_CUBLASLT_CHECK(run(algo.algo));
   return true;
 }
 

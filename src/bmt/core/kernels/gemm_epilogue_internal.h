@@ -51,6 +51,10 @@ struct GemmEpilogueArgs {
   void* aux = nullptr;             // [rows, cols]: written (kGeluAuxBias) or read (kDGeluBGrad, kDGelu)
   const void* residual = nullptr;  // [rows, cols], added to the output (kBias only; may be null)
   const Fp8GemmOperands* fp8 = nullptr;  // set: a and b are FP8 (dtype is then the other matrices' and vectors')
+  // CUDA, > 1: on a problem's first use, time up to this many of cuBLASLt's candidate algorithms on these operands
+  // and keep the fastest for every later call (one host sync, once per problem; skipped while the stream is being
+  // captured and when out is the residual, which a trial would add twice). 0 or 1: the heuristic's first choice.
+  int autotune_candidates = 0;
 };
 
 // Checks shapes, pointers and the epilogue's operands; throws naming what is missing.
