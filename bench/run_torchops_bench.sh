@@ -21,7 +21,9 @@
 #                           config, in order; also bmt_fp8_noepi (the engine's FP8 with BMT_GEMM_EPILOGUES=0: the
 #                           FP8 MLP's GELU, GELU gradient and residual add as separate passes; variant fp8-no-epilogues)
 #                           and bmt_fp8_sepamax (BMT_FP8_AMAX_FROM_SUM=0: each gradient's amax by its own pass, not
-#                           taken by its bias gradient's column sum; variant fp8-separate-amax); bmt_tune and bmt_fp8_tune
+#                           taken by its bias gradient's column sum; variant fp8-separate-amax), bmt_fp8_sepdgelu
+#                           (BMT_FP8_DGELU_FUSED=0: the FP8 MLP's GELU gradient by torch's gelu_backward, then the
+#                           bias gradient's column sum; variant fp8-separate-dgelu); bmt_tune and bmt_fp8_tune
 #                           (BMT_GEMM_AUTOTUNE=1: each GEMM shape's cuBLASLt algorithm timed among its candidates;
 #                           variants autotune, fp8-autotune)
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
@@ -140,6 +142,9 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
                          env BMT_GEMM_EPILOGUES=0 "$BIN" --framework bmt $C --fp8 ;;
         bmt_fp8_sepamax) BENCH_VARIANT=fp8-separate-amax run_one "bmt_fp8_sepamax_$cfg" bmt "$CANON" \
                            env BMT_FP8_AMAX_FROM_SUM=0 "$BIN" --framework bmt $C --fp8 ;;
+        # the FP8 MLP's GELU gradient by torch's gelu_backward, then the column sum (not one fused kernel)
+        bmt_fp8_sepdgelu) BENCH_VARIANT=fp8-separate-dgelu run_one "bmt_fp8_sepdgelu_$cfg" bmt "$CANON" \
+                            env BMT_FP8_DGELU_FUSED=0 "$BIN" --framework bmt $C --fp8 ;;
         # cuBLASLt's candidate algorithms timed per GEMM shape (BMT_GEMM_AUTOTUNE=1), bf16 and FP8
         bmt_tune) BENCH_VARIANT=autotune run_one "bmt_tune_$cfg" bmt "$CANON" \
                     env BMT_GEMM_AUTOTUNE=1 "$BIN" --framework bmt $C ;;

@@ -8,6 +8,7 @@
 #include <torch/cuda.h>
 
 #include "bmt/core/kernels/column_reduce_internal.h"
+#include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
@@ -86,6 +87,62 @@ TEST(ColumnReduceCuda, LayerNormParamGradsMatchCpuTwin) {
                                      bmt::core::DType::kFloat32, ws.data_ptr<float>(), stream());
       expect_close_to_sum(got_g, want_g, abs_g, what + " dgamma");
       expect_close_to_sum(got_b, want_b, abs_b, what + " dbeta");
+    }
+  }
+}
+
+// The fused GELU gradient + column sum against its CPU twin: each d pre within one ulp of the twin's (fp32 tanhf
+// against fp64 tanh may round the other way; for a very negative pre, gelu' cancels in fp32), the sums those of the kernel's own stored values (fp32 sums, the
+// column_sum bound), its amax partials the FP8 scale statistics of what it stored, bit for bit; deterministic.
+// Vector and scalar paths (misaligned base, a column count not a multiple of the vector width), many slabs.
+TEST(ColumnReduceCuda, DGeluColumnSumMatchesCpuTwin) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(14);
+  struct Shape { int64_t rows, cols, offset; };
+  for (at::ScalarType st : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const Shape s : {Shape{1, 1, 0}, Shape{7, 13, 0}, Shape{1000, 768, 0}, Shape{1000, 768, 1},
+                          Shape{16384, 3072, 0}, Shape{3001, 3075, 0}}) {
+      const std::string what = std::string(c10::toString(st)) + " " + std::to_string(s.rows) + "x" +
+                               std::to_string(s.cols) + " offset " + std::to_string(s.offset);
+      const bmt::core::DType dt = bmt::to_core_dtype(st);
+      const int64_t n = s.rows * s.cols;
+      const at::Tensor dy_flat = at::randn({n + s.offset}).to(st), pre_flat = (at::randn({n + s.offset}) * 3).to(st);
+      const at::Tensor dy = dy_flat.narrow(0, s.offset, n).view({s.rows, s.cols}).contiguous();
+      const at::Tensor pre = pre_flat.narrow(0, s.offset, n).view({s.rows, s.cols}).contiguous();
+      at::Tensor want = at::empty({s.rows, s.cols}, st), want_sums = at::empty({s.cols}, at::kFloat);
+      k::dgelu_column_sum_cpu(dy.data_ptr(), pre.data_ptr(), dt, s.rows, s.cols, want.data_ptr(), want_sums.data_ptr(),
+                              bmt::core::DType::kFloat32);
+      const at::Tensor dyg = dy_flat.cuda(), preg = pre_flat.cuda();
+      const at::Tensor dgrad_flat = at::empty({n + s.offset}, dyg.options());
+      const auto at_offset = [&](const at::Tensor& t) {
+        return static_cast<char*>(t.data_ptr()) + s.offset * t.element_size();
+      };
+      const auto f32 = dyg.options().dtype(at::kFloat);
+      at::Tensor ws = at::empty({k::column_reduce_workspace_numel(s.rows, s.cols, dt)}, f32);
+      at::Tensor partials = at::empty({k::column_sum_amax_partials(s.rows, s.cols, dt)}, f32.dtype(at::kInt));
+      at::Tensor sums = at::empty({s.cols}, f32), again = at::empty_like(sums);
+      k::dgelu_column_sum_cuda(at_offset(dyg), at_offset(preg), dt, s.rows, s.cols, at_offset(dgrad_flat),
+                               sums.data_ptr(), bmt::core::DType::kFloat32, ws.data_ptr<float>(), stream(),
+                               static_cast<uint32_t*>(partials.data_ptr()));
+      const at::Tensor got = dgrad_flat.narrow(0, s.offset, n).view({s.rows, s.cols}).cpu();
+      const double ulp = st == at::kFloat ? 1e-5 : st == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;  // relative
+      const double tiny = st == at::kHalf ? 6e-8 : 1e-30;
+      // (+ |dy| 4e-6: gelu' of a very negative pre cancels in fp32, an absolute error of a few fp32 ulps of 1)
+      const at::Tensor err = (got.to(at::kDouble) - want.to(at::kDouble)).abs();
+      const at::Tensor tol = want.to(at::kDouble).abs() * ulp + dy.to(at::kDouble).abs() * 4e-6 + tiny;
+      EXPECT_TRUE((err <= tol).all().item<bool>())
+          << what << ": max d pre error " << err.max().item<double>();
+      const at::Tensor own = got.to(at::kDouble);
+      expect_close_to_sum(sums, own.sum(0), own.abs().sum(0), what + " (sums)");
+      float stats_want[3];
+      k::fp8_scale_cpu(got.data_ptr(), dt, n, k::Fp8Format::kE4M3, stats_want);
+      at::Tensor stats = at::empty({3}, f32);
+      k::fp8_scale_from_partials_cuda(static_cast<const uint32_t*>(partials.data_ptr()), partials.numel(),
+                                      k::Fp8Format::kE4M3, stats.data_ptr<float>(), stream());
+      EXPECT_EQ(stats.cpu()[0].item<float>(), stats_want[0]) << what << ": amax";
+      k::dgelu_column_sum_cuda(at_offset(dyg), at_offset(preg), dt, s.rows, s.cols, at_offset(dgrad_flat),
+                               again.data_ptr(), bmt::core::DType::kFloat32, ws.data_ptr<float>(), stream());
+      EXPECT_TRUE(at::equal(sums, again)) << what << ": not deterministic";
     }
   }
 }

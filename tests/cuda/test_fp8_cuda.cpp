@@ -178,6 +178,29 @@ TEST(Fp8CastCuda, CastWithTheBiasGradientEqualsTheSeparateOps) {
   }
 }
 
+// nn::fp8_cast_dgelu_grad (the FP8 MLP's d pre, its bias gradient and its amax in one kernel) against
+// nn::dgelu_column_sum + nn::fp8_cast: the same bytes, statistics and sums; and that kernel's d pre against torch's
+// gelu_backward within one bf16 ulp (plus fp32's cancellation for a very negative pre).
+TEST(Fp8CastCuda, DGeluCastEqualsTheSeparateOps) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(25);
+  const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const at::Tensor dmid = at::randn({4096, 3072}, opts), pre = at::randn({4096, 3072}, opts) * 3;
+  at::Tensor db;
+  const bmt::nn::Fp8Tensor got = bmt::nn::fp8_cast_dgelu_grad(bmt::nn::Fp8Scaling::kTensor, dmid, pre,
+                                                               bmt::nn::Fp8Format::kE5M2, true, true, &db, at::kFloat);
+  const auto [dpre, sums] = bmt::nn::dgelu_column_sum(dmid, pre, at::kFloat);
+  const bmt::nn::Fp8Tensor want = bmt::nn::fp8_cast(dpre, bmt::nn::Fp8Format::kE5M2, true, true);
+  EXPECT_TRUE(at::equal(db, sums));
+  EXPECT_TRUE(at::equal(got.stats, want.stats) && at::equal(got.inv, want.inv));
+  EXPECT_TRUE(at::equal(got.data.view(at::kByte), want.data.view(at::kByte)));
+  EXPECT_TRUE(at::equal(got.data_t.view(at::kByte), want.data_t.view(at::kByte)));
+  const at::Tensor torch_dpre = at::gelu_backward(dmid, pre, "tanh").to(at::kDouble);
+  const at::Tensor err = (dpre.to(at::kDouble) - torch_dpre).abs();
+  const at::Tensor tol = torch_dpre.abs() / 128 + dmid.to(at::kDouble).abs() * 4e-6 + 1e-30;
+  EXPECT_TRUE((err <= tol).all().item<bool>()) << "max error against gelu_backward " << err.max().item<double>();
+}
+
 TEST(Fp8LinearCuda, ForwardAndGradientsWithinTheFp8Bound) {
   if (!fp8_gemm_device()) GTEST_SKIP() << "no CUDA device with FP8 tensor cores (8.9+)";
   at::manual_seed(22);
@@ -390,15 +413,20 @@ TEST(Fp8LinearCuda, AutotunedGemmsMatchTheDefaultPath) {
   const at::Tensor w1 = bf(at::randn({4 * d, d}) * 0.04), b1 = bf(at::randn({4 * d}) * 0.1);
   const at::Tensor w2 = bf(at::randn({d, 4 * d}) * 0.02), b2 = bf(at::randn({d}) * 0.1), r = bf(at::randn({rows, d}));
   const at::Tensor g = bf(at::randn({rows, 3 * d})), gm = bf(at::randn({rows, d}));
+  // (restores the switch however the run ends, so a throw inside cannot leave it on for later tests)
+  struct AutotuneGuard {
+    const bool before = bmt::nn::gemm_autotune_enabled();
+    explicit AutotuneGuard(bool on) { bmt::nn::set_gemm_autotune_enabled(on); }
+    ~AutotuneGuard() { bmt::nn::set_gemm_autotune_enabled(before); }
+  };
   auto run = [&](bool tune) {
-    bmt::nn::set_gemm_autotune_enabled(tune);
+    const AutotuneGuard guard(tune);
     std::vector<at::Tensor> p;
     for (const at::Tensor& t : {x, w, b, x, w1, b1, w2, b2, r}) p.push_back(t.clone().requires_grad_());
     const at::Tensor y = bmt::nn::fp8_linear(p[0], p[1], p[2]);
     y.backward(g);
     const at::Tensor ym = bmt::nn::fp8_gelu_mlp(p[3], p[4], p[5], p[6], p[7], p[8], bmt::nn::Fp8Format::kE5M2);
     ym.backward(gm);
-    bmt::nn::set_gemm_autotune_enabled(false);
     std::vector<at::Tensor> out = {y.detach(), ym.detach()};
     for (const at::Tensor& t : p) out.push_back(t.grad());
     return out;

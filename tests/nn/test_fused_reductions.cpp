@@ -61,6 +61,32 @@ TEST(ColumnReduceCpu, LayerNormParamGradsMatchTheDefinition) {
   EXPECT_TRUE(at::equal(only_b, db));
 }
 
+// The twin of the fused GELU-gradient column sum against torch's gelu_backward computed in fp64: each stored value
+// the fp64 one rounded once (one ulp of the dtype apart at most: gelu' itself is rounded to fp32 first), the sums
+// those of the stored values.
+TEST(ColumnReduceCpu, DGeluColumnSumMatchesTorchsGeluBackward) {
+  at::manual_seed(3);
+  for (at::ScalarType st : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {7, 13}, {300, 96}}) {
+      const std::string what = std::string(c10::toString(st)) + " " + std::to_string(rows) + "x" + std::to_string(cols);
+      const at::Tensor dy = at::randn({rows, cols}).to(st), pre = (at::randn({rows, cols}) * 3).to(st);
+      at::Tensor dgrad = at::empty({rows, cols}, st), sums = at::empty({cols}, at::kFloat);
+      k::dgelu_column_sum_cpu(dy.data_ptr(), pre.data_ptr(), bmt::to_core_dtype(st), rows, cols, dgrad.data_ptr(),
+                              sums.data_ptr(), bmt::core::DType::kFloat32);
+      const at::Tensor want = at::gelu_backward(dy.to(at::kDouble), pre.to(at::kDouble), "tanh");
+      const double ulp = st == at::kFloat ? 1e-6 : st == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;  // relative
+      const at::Tensor err = (dgrad.to(at::kDouble) - want).abs();
+      // (fp16's subnormal spacing is 2^-24; |dy| 1e-12: where tanh rounds to -1 in fp64, torch's gelu' is 0 and
+      // the twin's, summed in another order, a few 1e-15)
+      const double tiny = st == at::kHalf ? 6e-8 : 1e-30;
+      const at::Tensor tol = want.abs() * ulp + dy.to(at::kDouble).abs() * 1e-12 + tiny;
+      EXPECT_TRUE((err <= tol).all().item<bool>())
+          << what << ": max error " << err.max().item<double>();
+      EXPECT_TRUE(at::allclose(sums, dgrad.to(at::kDouble).sum(0).to(at::kFloat), 1e-6, 1e-6)) << what;
+    }
+  }
+}
+
 TEST(ColumnReduceCpu, PlanCoversEveryRowWithinTheGridLimit) {
   for (auto dt : {bmt::core::DType::kFloat32, bmt::core::DType::kBFloat16}) {
     for (int64_t rows : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{16384}, int64_t{1} << 31}) {
@@ -173,6 +199,21 @@ TEST(FusedReductions, DispatchersAreTorchsOpsOnTheCpuAndWhenSwitchedOff) {
   bmt::nn::set_fused_reductions_enabled(false);
   EXPECT_FALSE(bmt::nn::fused_reductions_enabled());
   bmt::nn::set_fused_reductions_enabled(was);
+}
+
+// On the CPU nn::dgelu_column_sum is torch's gelu_backward and the column sum, bit for bit.
+TEST(FusedReductions, DGeluColumnSumIsGeluBackwardThenColumnSumOnTheCpu) {
+  at::manual_seed(4);
+  const at::Tensor dy = at::randn({40, 24}).to(at::kBFloat16), pre = (at::randn({40, 24}) * 2).to(at::kBFloat16);
+  at::Tensor partials = at::ones({1});
+  const auto [dpre, db] = bmt::nn::dgelu_column_sum(dy, pre, at::kFloat, &partials);
+  const at::Tensor want = at::gelu_backward(dy, pre, "tanh");
+  EXPECT_TRUE(at::equal(dpre, want));
+  EXPECT_TRUE(at::equal(db, bmt::nn::column_sum(want, at::kFloat)));
+  EXPECT_FALSE(partials.defined());  // (the partial maxima are the CUDA kernel's)
+  EXPECT_THROW(bmt::nn::dgelu_column_sum(dy, pre.narrow(0, 0, 20), at::kFloat), std::exception);
+  EXPECT_THROW(bmt::nn::dgelu_column_sum(dy, pre.to(at::kFloat), at::kFloat), std::exception);
+  EXPECT_THROW(bmt::nn::dgelu_column_sum(dy.view({-1}), pre.view({-1}), at::kFloat), std::exception);
 }
 
 TEST(FusedReductions, ColumnSumRejectsBadInput) {

@@ -31,6 +31,9 @@ EnvChoice<Fp8Format, 2> g_grad_format("BMT_FP8_GRAD", {{{"e5m2", Fp8Format::kE5M
 // BMT_FP8_AMAX_FROM_SUM=0: a gradient's amax by its own pass even where its bias gradient's sum reads it (the
 // baseline of that fusion's benchmark rows)
 EnvSwitch g_amax_from_sum("BMT_FP8_AMAX_FROM_SUM", true);
+// BMT_FP8_DGELU_FUSED=0: the FP8 MLP's GELU gradient by torch's gelu_backward, then the column sum and the cast
+// (the baseline of the fused kernel's benchmark rows)
+EnvSwitch g_dgelu_fused("BMT_FP8_DGELU_FUSED", true);
 EnvChoice<Fp8Scaling, 2> g_scaling("BMT_FP8_SCALING", {{{"tensor", Fp8Scaling::kTensor}, {"row", Fp8Scaling::kRow}}});
 
 k::Fp8Format core_format(Fp8Format f) { return f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2; }
@@ -50,8 +53,9 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     Fp8Tensor xq;
     if (compute || want_dw) xq = fp8_cast_as(scaling, x2, Fp8Format::kE4M3, compute, want_dw);
     at::Tensor y;
+    Fp8Tensor wq;
     if (compute) {
-      const Fp8Tensor wq = fp8_cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
+      wq = fp8_cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
       const at::Tensor res2 = residual ? residual->contiguous().view({-1, out}) : at::Tensor();
       // a residual: added by the GEMM's epilogue (per tensor, CUDA, where cuBLASLt has an algorithm), else after
       bool done = false;
@@ -69,8 +73,11 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     } else {
       y = deferred_output({x2.size(0), out}, x.options());
     }
+    // (per tensor: the backward's transposed cast of W reuses this cast's statistics, no second amax pass)
+    const bool keep_w_stats = want_dx && compute && scaling == Fp8Scaling::kTensor;
     ctx->save_for_backward({want_dw ? xq.data_t : at::Tensor(), want_dw ? xq.inv_scale_t() : at::Tensor(),
-                            want_dx ? weight : at::Tensor()});
+                            want_dx ? weight : at::Tensor(), keep_w_stats ? wq.stats : at::Tensor(),
+                            keep_w_stats ? wq.inv : at::Tensor()});
     ctx->saved_data["grad_format"] = grad_format;
     ctx->saved_data["scaling"] = scaling_id;
     ctx->saved_data["has_bias"] = bias.has_value();  // (an absent optional input has no gradient slot to ask about)
@@ -84,6 +91,8 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &xt8 = saved[0], &x_inv = saved[1], &weight = saved[2];
+    Fp8Tensor w_forward;  // the forward cast's statistics (undefined: take them again)
+    w_forward.stats = saved[3], w_forward.inv = saved[4];
     const auto grad_format = static_cast<Fp8Format>(ctx->saved_data["grad_format"].toInt());
     const auto scaling = static_cast<Fp8Scaling>(ctx->saved_data["scaling"].toInt());
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
@@ -96,7 +105,9 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     // (one cast for both copies; the bias gradient's read of dy also takes dy's amax)
     const Fp8Tensor dyq = fp8_cast_grad(scaling, dy2, grad_format, want_dx, want_dw, want_db ? &db : nullptr, w_dtype);
     if (want_dx) {
-      const Fp8Tensor wq = fp8_cast_as(scaling, weight, Fp8Format::kE4M3, false, true);  // W^T [in, out] row-major
+      const Fp8Tensor wq = w_forward.stats.defined()  // W^T [in, out] row-major
+                               ? fp8_cast_known_scale(weight, Fp8Format::kE4M3, false, true, w_forward)
+                               : fp8_cast_as(scaling, weight, Fp8Format::kE4M3, false, true);
       dx = fp8_scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), grads[0].scalar_type(), false,
                          std::nullopt)
                .view(x_sizes);
@@ -169,9 +180,10 @@ Fp8Tensor fp8_cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format,
 namespace {
 
 // fp8_cast; amax_partials (CUDA, defined): the partial maxima of |matrix| a kernel that read it already wrote
-// (nn::column_sum's), so the scale reduces those instead of reading the matrix again
+// (nn::column_sum's), so the scale reduces those instead of reading the matrix again; known (defined): the
+// statistics and inverse scale of an earlier cast of the same values, so no scale pass at all
 Fp8Tensor cast_per_tensor(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed,
-                          const at::Tensor& amax_partials) {
+                          const at::Tensor& amax_partials, const Fp8Tensor* known = nullptr) {
   BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
   BMT_CHECK(supported_dtype(matrix.scalar_type()), "nn::fp8_cast: dtype ", matrix.scalar_type(),
             " is not fp32, bf16 or fp16");
@@ -179,7 +191,7 @@ Fp8Tensor cast_per_tensor(const at::Tensor& matrix, Fp8Format format, bool rowwi
   const int64_t rows = m.size(0), cols = m.size(1);
   const auto opts = m.options().dtype(fp8_dtype(format));
   Fp8Tensor r;
-  r.stats = at::empty({3}, m.options().dtype(at::kFloat));
+  r.stats = known ? known->stats : at::empty({3}, m.options().dtype(at::kFloat));
   if (rowwise) r.data = at::empty({rows, cols}, opts);
   if (transposed) r.data_t = at::empty({cols, rows}, opts);
   auto* q = rowwise ? static_cast<uint8_t*>(r.data.data_ptr()) : nullptr;
@@ -187,16 +199,19 @@ Fp8Tensor cast_per_tensor(const at::Tensor& matrix, Fp8Format format, bool rowwi
   const core::DType dt = to_core_dtype(m.scalar_type());
   const k::Fp8Format f = core_format(format);
   if (!m.is_cuda()) {
-    k::fp8_scale_cpu(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>());
+    if (!known) k::fp8_scale_cpu(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>());
     k::fp8_cast_cpu(m.data_ptr(), dt, rows, cols, r.stats.data_ptr<float>(), f, q, qt);
-    r.inv = r.stats.select(0, 2).clone();
+    r.inv = known ? known->inv : r.stats.select(0, 2).clone();
     return r;
   }
 #ifdef BMT_WITH_CUDA
   c10::cuda::CUDAGuard guard(m.device());
   void* stream = current_stream_handle(m);
-  r.inv = at::empty({}, r.stats.options());  // written by the scale kernel itself (no copy kernel)
-  if (amax_partials.defined()) {
+  // (a fresh inverse scale is written by the scale kernel itself: no copy kernel)
+  r.inv = known ? known->inv : at::empty({}, r.stats.options());
+  if (known) {
+    // the statistics of an earlier cast of the same values
+  } else if (amax_partials.defined()) {
     k::fp8_scale_from_partials_cuda(static_cast<const uint32_t*>(amax_partials.data_ptr()), amax_partials.numel(), f,
                                     r.stats.data_ptr<float>(), stream, r.inv.data_ptr<float>());
   } else {
@@ -218,6 +233,13 @@ Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, boo
   return cast_per_tensor(matrix, format, rowwise, transposed, at::Tensor());
 }
 
+Fp8Tensor fp8_cast_known_scale(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed,
+                               const Fp8Tensor& earlier) {
+  BMT_CHECK(earlier.stats.defined() && earlier.inv.defined() && earlier.inv.dim() == 0,
+            "nn::fp8_cast_known_scale: needs the statistics of a per-tensor cast");
+  return cast_per_tensor(matrix, format, rowwise, transposed, at::Tensor(), &earlier);
+}
+
 Fp8Tensor fp8_cast_grad(Fp8Scaling scaling, const at::Tensor& dy, Fp8Format format, bool row_major, bool transposed,
                         at::Tensor* db, at::ScalarType sum_dtype) {
   const bool cast = row_major || transposed;
@@ -230,6 +252,21 @@ Fp8Tensor fp8_cast_grad(Fp8Scaling scaling, const at::Tensor& dy, Fp8Format form
     *db = column_sum(dy, sum_dtype);
   }
   return cast ? fp8_cast_as(scaling, dy, format, row_major, transposed) : Fp8Tensor();
+}
+
+Fp8Tensor fp8_cast_dgelu_grad(Fp8Scaling scaling, at::Tensor dmid, const at::Tensor& pre, Fp8Format format,
+                              bool row_major, bool transposed, at::Tensor* db, at::ScalarType sum_dtype) {
+  if (db && (row_major || transposed) && scaling == Fp8Scaling::kTensor && dmid.is_cuda() &&
+      g_amax_from_sum.enabled() && g_dgelu_fused.enabled()) {
+    at::Tensor partials;
+    auto [dpre, sums] = dgelu_column_sum(dmid, pre, sum_dtype, &partials);
+    dmid.reset();  // (its bytes back to the allocator before the cast's)
+    *db = std::move(sums);
+    return cast_per_tensor(dpre, format, row_major, transposed, partials);
+  }
+  at::Tensor dpre = at::gelu_backward(dmid, pre, "tanh");
+  dmid.reset();
+  return fp8_cast_grad(scaling, dpre, format, row_major, transposed, db, sum_dtype);
 }
 
 Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_major, bool transposed) {

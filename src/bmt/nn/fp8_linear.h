@@ -14,7 +14,8 @@
 //       GEMMs of _scaled_mm take E4M3 operands and bf16 output on GPUs; other output dtypes and CPUs take a GEMM
 //       with unit scales and fp32 output, scaled after. Outputs have the input's dtype (bf16 in training), scales are fp32, the bias gradient is summed in fp32
 // (nn::column_sum). The forward saves x's transposed E4M3 copy for wgrad (half the bytes of the bf16 x) and the
-// weight itself; the backward casts W again (transposed), so under ZeRO-3 the weight is the re-gathered one.
+// weight itself; the backward casts W again (transposed), so under ZeRO-3 the weight is the re-gathered one (per
+// tensor with the forward cast's statistics: the same values, so no second amax pass).
 // Falls back to nn::linear (today's bf16 path) when a GEMM dimension (rows, in or out features) is not a multiple
 // of 16, which _scaled_mm refuses on GPUs, or the dtypes are not fp32 / bf16 / fp16.
 // A non-finite amax makes that tensor's scales NaN: the outputs are NaN and the step's inf/NaN check skips it.

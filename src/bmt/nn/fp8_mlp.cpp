@@ -51,8 +51,9 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     // (compute_output = false, a recompute's tail: only wgrad's transposed copy of h)
     const Fp8Tensor hq = fp8_cast(h, kE4M3, compute_output, grad);
     at::Tensor y;
+    Fp8Tensor w2q;
     if (compute_output) {
-      const Fp8Tensor w2q = fp8_cast(w_proj, kE4M3, true, false);
+      w2q = fp8_cast(w_proj, kE4M3, true, false);
       const at::Tensor b2 = b_proj.contiguous();
       const at::Tensor res2 = residual ? residual->contiguous().view({-1, out}) : at::Tensor();
       y = at::empty({rows, out}, x.options());
@@ -64,7 +65,10 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     } else {
       y = deferred_output({rows, out}, x.options());
     }
-    ctx->save_for_backward({xq.data_t, xq.inv, hq.data_t, hq.inv, w_fc, w_proj, pre});
+    // (the weights' statistics: their transposed casts in the backward skip the amax pass; w_proj's only when its
+    // forward cast ran)
+    ctx->save_for_backward({xq.data_t, xq.inv, hq.data_t, hq.inv, w_fc, w_proj, pre, w1q.stats, w1q.inv, w2q.stats,
+                            w2q.inv});
     ctx->saved_data["grad_format"] = grad_format;
     ctx->saved_data["has_residual"] = residual.has_value();
     ctx->saved_data["epilogues"] = epilogues;
@@ -77,6 +81,12 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &xt8 = saved[0], &x_inv = saved[1], &ht8 = saved[2], &h_inv = saved[3], &w_fc = saved[4],
                      &w_proj = saved[5], &pre = saved[6];
+    Fp8Tensor w1_forward, w2_forward;  // the forward casts' statistics
+    w1_forward.stats = saved[7], w1_forward.inv = saved[8], w2_forward.stats = saved[9], w2_forward.inv = saved[10];
+    const auto transposed_weight = [](const at::Tensor& w, const Fp8Tensor& forward) {
+      return forward.stats.defined() ? fp8_cast_known_scale(w, kE4M3, false, true, forward)
+                                     : fp8_cast(w, kE4M3, false, true);
+    };
     const auto gf = static_cast<Fp8Format>(ctx->saved_data["grad_format"].toInt());
     const bool epilogues = ctx->saved_data["epilogues"].toBool();
     const int64_t out = w_proj.size(0);
@@ -93,20 +103,24 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     if (want_dpre) {
       // d pre = (dy w_proj) * gelu'(pre): GELU's gradient in the GEMM's epilogue (large problems, see
       // kDGeluMinOutputs), else after it
-      const Fp8Tensor w2t = fp8_cast(w_proj, kE4M3, false, true);  // w_proj^T [hidden, out] row-major
-      at::Tensor dpre = at::empty_like(pre);
-      const bool done = epilogues && (!pre.is_cuda() || (g_dgelu.enabled() && pre.numel() >= kDGeluMinOutputs)) &&
-                        fp8_gemm_epilogue(k::GemmEpilogue::kDGelu, dyq.data, gf, dyq.inv, w2t.data_t, kE4M3,
-                                          w2t.inv, false, dpre, at::Tensor(), pre, at::Tensor());
-      if (!done)
-        dpre = at::gelu_backward(fp8_scaled_mm(dyq.data, dyq.inv, w2t.data_t, w2t.inv, dtype, false, std::nullopt),
-                                 pre, "tanh");
+      const Fp8Tensor w2t = transposed_weight(w_proj, w2_forward);  // w_proj^T [hidden, out] row-major
+      const bool try_dgelu =
+          epilogues && (!pre.is_cuda() || (g_dgelu.enabled() && pre.numel() >= kDGeluMinOutputs));
+      at::Tensor dpre = try_dgelu ? at::empty_like(pre) : at::Tensor();
+      const bool done = try_dgelu && fp8_gemm_epilogue(k::GemmEpilogue::kDGelu, dyq.data, gf, dyq.inv, w2t.data_t,
+                                                       kE4M3, w2t.inv, false, dpre, at::Tensor(), pre, at::Tensor());
+      if (!done) dpre = at::Tensor();  // (not holding its bytes while the kernel below writes its own)
       const bool want_dx = ctx->needs_input_grad(0), want_dw1 = ctx->needs_input_grad(1);
       const bool want_db1 = ctx->needs_input_grad(2);
-      const Fp8Tensor dpq = fp8_cast_grad(Fp8Scaling::kTensor, dpre, gf, want_dx, want_dw1,
-                                          want_db1 ? &db1 : nullptr, w_fc.scalar_type());
+      // (no DGELU epilogue: GELU's gradient, c_fc's bias gradient and d pre's amax in one kernel after the GEMM)
+      const Fp8Tensor dpq =
+          done ? fp8_cast_grad(Fp8Scaling::kTensor, dpre, gf, want_dx, want_dw1, want_db1 ? &db1 : nullptr,
+                               w_fc.scalar_type())
+               : fp8_cast_dgelu_grad(Fp8Scaling::kTensor,
+                                     fp8_scaled_mm(dyq.data, dyq.inv, w2t.data_t, w2t.inv, dtype, false, std::nullopt),
+                                     pre, gf, want_dx, want_dw1, want_db1 ? &db1 : nullptr, w_fc.scalar_type());
       if (want_dx) {
-        const Fp8Tensor w1t = fp8_cast(w_fc, kE4M3, false, true);  // w_fc^T [in, hidden] row-major
+        const Fp8Tensor w1t = transposed_weight(w_fc, w1_forward);  // w_fc^T [in, hidden] row-major
         dx = fp8_scaled_mm(dpq.data, dpq.inv, w1t.data_t, w1t.inv, dtype, false, std::nullopt)
                  .view(ctx->saved_data["x_sizes"].toIntVector());
       }

@@ -162,6 +162,40 @@ at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype, at::Te
 #endif
 }
 
+std::pair<at::Tensor, at::Tensor> dgelu_column_sum(const at::Tensor& dy, const at::Tensor& pre,
+                                                   at::ScalarType sum_dtype, at::Tensor* amax_partials) {
+  BMT_CHECK(dy.dim() == 2 && dy.sizes() == pre.sizes() && dy.scalar_type() == pre.scalar_type() &&
+                dy.device() == pre.device(),
+            "nn::dgelu_column_sum: dy ", dy.sizes(), " ", dy.scalar_type(), " and pre ", pre.sizes(), " ",
+            pre.scalar_type(), " must be 2-D tensors of one shape, dtype and device");
+  BMT_CHECK(supported_dtype(dy.scalar_type()) && supported_dtype(sum_dtype),
+            "nn::dgelu_column_sum: dtypes must be fp32, bf16 or fp16, got ", dy.scalar_type(), " -> ", sum_dtype);
+  if (!dy.is_cuda()) {
+    if (amax_partials) *amax_partials = at::Tensor();
+    at::Tensor dpre = at::gelu_backward(dy, pre, "tanh");
+    at::Tensor db = column_sum(dpre, sum_dtype);
+    return {std::move(dpre), std::move(db)};
+  }
+#ifdef BMT_WITH_CUDA
+  c10::cuda::CUDAGuard guard(dy.device());
+  const at::Tensor g = dy.contiguous(), x = pre.contiguous();
+  const int64_t rows = g.size(0), cols = g.size(1);
+  const core::DType dt = to_core_dtype(g.scalar_type());
+  at::Tensor dpre = at::empty_like(g), db = at::empty({cols}, g.options().dtype(sum_dtype));
+  at::Tensor ws = at::empty({k::column_reduce_workspace_numel(rows, cols, dt)}, g.options().dtype(at::kFloat));
+  uint32_t* partials = nullptr;
+  if (amax_partials) {
+    *amax_partials = at::empty({k::column_sum_amax_partials(rows, cols, dt)}, g.options().dtype(at::kInt));
+    partials = static_cast<uint32_t*>(amax_partials->data_ptr());
+  }
+  k::dgelu_column_sum_cuda(g.data_ptr(), x.data_ptr(), dt, rows, cols, dpre.data_ptr(), db.data_ptr(),
+                           to_core_dtype(sum_dtype), ws.data_ptr<float>(), current_stream_handle(g), partials);
+  return {std::move(dpre), std::move(db)};
+#else
+  BMT_ERROR("nn::dgelu_column_sum: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
+#endif
+}
+
 at::Tensor linear_reduced_bias_grad(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   BMT_CHECK(bias.defined(), "nn::linear_reduced_bias_grad: needs a bias");
   BMT_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),

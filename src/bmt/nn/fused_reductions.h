@@ -7,6 +7,8 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
+
 namespace bmt::nn {
 
 // y = x weight^T + bias (bias may be undefined).
@@ -34,6 +36,12 @@ void linear_fill(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 // amax_partials (may be null): on CUDA set to the partial maxima of |matrix| the same read took (uint32 bits,
 // core::kernels::column_sum_amax_partials of them: an FP8 cast's amax, nn::fp8_cast_grad); elsewhere undefined.
 at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype, at::Tensor* amax_partials = nullptr);
+
+// GELU's (tanh) input gradient dpre = dy * gelu'(pre) in dy's dtype and its column sums in sum_dtype (the bias
+// gradient of the linear before the GELU), from one read of dy and pre on CUDA (our kernel; amax_partials as
+// column_sum's, of dpre); elsewhere at::gelu_backward then column_sum. dy and pre: 2-D, same shape and dtype.
+std::pair<at::Tensor, at::Tensor> dgelu_column_sum(const at::Tensor& dy, const at::Tensor& pre,
+                                                   at::ScalarType sum_dtype, at::Tensor* amax_partials = nullptr);
 
 // Default: on unless the environment sets BMT_FUSED_REDUCTIONS=0.
 bool fused_reductions_enabled();

@@ -4,7 +4,8 @@
 // are then added in a fixed order through shared memory into one fp32 partial per (slab, column).
 // Stage 2: 32 columns x 32 slab lanes per block sum the partials (lane l takes slabs l, l + 32, ...), then the
 // 32 lanes in a fixed order, and round once into the output.
-// Column sums may also give each stage-1 block's largest |dy| (an FP8 cast's amax without its own read of dy).
+// Column sums may also give each stage-1 block's largest |dy| (an FP8 cast's amax without its own read of dy), and
+// may first turn dy into GELU's input gradient, writing it (the FP8 MLP's backward: one pass instead of three).
 #include <cuda_runtime.h>
 
 #include "bmt/core/error.h"
@@ -18,11 +19,31 @@ namespace {
 constexpr int kColLanes = 32, kRowLanes = 8, kStage1Threads = kColLanes * kRowLanes;
 constexpr int kSlabLanes = 32, kStage2Threads = kColLanes * kSlabLanes;
 
-// kOutputs = 1: column sums of dy; 2: LayerNorm's (sum dy * xhat, sum dy).
-template <DType D, int kOutputs>
+// d gelu_tanh(x) / dx in fp32 (the CPU twin's gelu_tanh_grad, torch's gelu_backward formula).
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
+  const float x2 = x * x;
+  const float t = tanhf(kSqrt2OverPi * (x + kCubic * x2 * x));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kCubic * x2);
+}
+
+// x rounded into D and back (the value a store then a load gives).
+template <DType D>
+__device__ __forceinline__ float rounded(float x) {
+  if constexpr (D == DType::kBFloat16) return __bfloat162float(__float2bfloat16_rn(x));
+  if constexpr (D == DType::kFloat16) return __half2float(__float2half_rn(x));
+  return x;
+}
+
+// kOutputs = 1: column sums of dy (kDGelu: of dgrad = dy * gelu'(x), written as it goes); 2: LayerNorm's
+// (sum dy * xhat, sum dy).
+template <DType D, int kOutputs, bool kDGelu = false>
 __global__ void __launch_bounds__(kStage1Threads)
     partial_sums_kernel(const void* dy, const void* x, const float* mean, const float* rstd, int64_t rows,
-                        int64_t cols, int64_t rows_per_slab, bool vec, float* partial, uint32_t* amax_partial) {
+                        int64_t cols, int64_t rows_per_slab, bool vec, float* partial, uint32_t* amax_partial,
+                        void* dgrad) {
+  static_assert(!kDGelu || kOutputs == 1, "the GELU gradient is a column sum's input");
+  constexpr bool kReadX = kOutputs == 2 || kDGelu;
   constexpr int V = detail::kVecElems<D>;
   constexpr int kTileCols = kColLanes * V;
   __shared__ float lanes[kOutputs][kRowLanes][kTileCols];
@@ -56,7 +77,12 @@ __global__ void __launch_bounds__(kStage1Threads)
       for (int64_t r = r_begin + ty; r < r_end; r += kRowLanes) {
         float g[V], xv[V];
         detail::load_vec<D>(dy, r * cols + col0, g);
-        if constexpr (kOutputs == 2) detail::load_vec<D>(x, r * cols + col0, xv);
+        if constexpr (kReadX) detail::load_vec<D>(x, r * cols + col0, xv);
+        if constexpr (kDGelu) {
+#pragma unroll
+          for (int k = 0; k < V; ++k) g[k] = rounded<D>(g[k] * gelu_tanh_grad(xv[k]));
+          detail::store_vec<D>(dgrad, r * cols + col0, g);  // (already rounded: stored exactly)
+        }
         add_row(r, g, xv);
       }
     }
@@ -67,7 +93,11 @@ __global__ void __launch_bounds__(kStage1Threads)
       for (int k = 0; k < V; ++k) {
         const int64_t c = col0 + k;
         g[k] = c < cols ? detail::load<D>(dy, r * cols + c) : 0.0f;
-        if constexpr (kOutputs == 2) xv[k] = c < cols ? detail::load<D>(x, r * cols + c) : 0.0f;
+        if constexpr (kReadX) xv[k] = c < cols ? detail::load<D>(x, r * cols + c) : 0.0f;
+        if constexpr (kDGelu) {
+          g[k] = rounded<D>(g[k] * gelu_tanh_grad(xv[k]));  // (out of range: 0 * gelu'(0) = 0)
+          if (c < cols) detail::store<D>(dgrad, r * cols + c, g[k]);
+        }
       }
       add_row(r, g, xv);
     }
@@ -129,30 +159,28 @@ void finish(const float* partial, int64_t slabs, int64_t cols, void* out, DType 
   }
 }
 
-template <int kOutputs>
+template <int kOutputs, bool kDGelu = false>
 void launch_partials(const void* dy, const void* x, DType dtype, const float* mean, const float* rstd, int64_t rows,
                      int64_t cols, const ColumnReducePlan& plan, float* partial, uint32_t* amax_partial,
-                     cudaStream_t s) {
+                     cudaStream_t s, void* dgrad = nullptr) {
   const int v = dtype == DType::kFloat32 ? 4 : 8;
   // Vector loads need every row start 16-byte aligned: an aligned base and a row length that is a multiple of V.
-  const bool vec = cols % v == 0 && detail::vec_aligned(dy) && (kOutputs == 1 || detail::vec_aligned(x));
+  const bool vec = cols % v == 0 && detail::vec_aligned(dy) && (!x || detail::vec_aligned(x)) &&
+                   (!dgrad || detail::vec_aligned(dgrad));
   const dim3 grid(static_cast<unsigned>((cols + 32 * v - 1) / (32 * v)), static_cast<unsigned>(plan.slabs));
   BMT_CHECK(plan.slabs <= 65535, "column reductions: ", plan.slabs, " row slabs exceed the grid's y limit");
   switch (dtype) {
     case DType::kFloat32:
-      partial_sums_kernel<DType::kFloat32, kOutputs><<<grid, kStage1Threads, 0, s>>>(dy, x, mean, rstd, rows, cols,
-                                                                                    plan.rows_per_slab, vec, partial,
-                                                                                    amax_partial);
+      partial_sums_kernel<DType::kFloat32, kOutputs, kDGelu><<<grid, kStage1Threads, 0, s>>>(
+          dy, x, mean, rstd, rows, cols, plan.rows_per_slab, vec, partial, amax_partial, dgrad);
       break;
     case DType::kBFloat16:
-      partial_sums_kernel<DType::kBFloat16, kOutputs><<<grid, kStage1Threads, 0, s>>>(dy, x, mean, rstd, rows, cols,
-                                                                                     plan.rows_per_slab, vec, partial,
-                                                                                     amax_partial);
+      partial_sums_kernel<DType::kBFloat16, kOutputs, kDGelu><<<grid, kStage1Threads, 0, s>>>(
+          dy, x, mean, rstd, rows, cols, plan.rows_per_slab, vec, partial, amax_partial, dgrad);
       break;
     default:
-      partial_sums_kernel<DType::kFloat16, kOutputs><<<grid, kStage1Threads, 0, s>>>(dy, x, mean, rstd, rows, cols,
-                                                                                    plan.rows_per_slab, vec, partial,
-                                                                                    amax_partial);
+      partial_sums_kernel<DType::kFloat16, kOutputs, kDGelu><<<grid, kStage1Threads, 0, s>>>(
+          dy, x, mean, rstd, rows, cols, plan.rows_per_slab, vec, partial, amax_partial, dgrad);
       break;
   }
 }
@@ -164,22 +192,42 @@ void check_launch(const char* op) {
 
 }  // namespace
 
-void column_sum_cuda(const void* dy, DType dtype, int64_t rows, int64_t cols, void* out, DType out_dtype,
-                     float* workspace, void* stream, uint32_t* amax_partial) {
-  check_dtypes(dtype, out_dtype, "column_sum_cuda");
-  BMT_CHECK(rows >= 0 && cols >= 0, "column_sum_cuda: negative shape [", rows, ", ", cols, "]");
+namespace {
+
+// column_sum_cuda, or with pre (and dgrad) dgelu_column_sum_cuda: the sums of dy or of dy * gelu'(pre).
+void column_sums(const void* dy, const void* pre, void* dgrad, DType dtype, int64_t rows, int64_t cols, void* out,
+                 DType out_dtype, float* workspace, cudaStream_t s, uint32_t* amax_partial, const char* op) {
+  check_dtypes(dtype, out_dtype, op);
+  BMT_CHECK(rows >= 0 && cols >= 0, op, ": negative shape [", rows, ", ", cols, "]");
   if (cols == 0) return;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (rows == 0) {
-    BMT_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(cols) * dtype_nbytes(out_dtype), s) == cudaSuccess,
-              "column_sum_cuda: cudaMemsetAsync failed");
+    BMT_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(cols) * dtype_nbytes(out_dtype), s) == cudaSuccess, op,
+              ": cudaMemsetAsync failed");
     return;
   }
-  BMT_CHECK(dy && out && workspace, "column_sum_cuda: null buffer");
+  BMT_CHECK(dy && out && workspace && (!pre || dgrad), op, ": null buffer");
   const ColumnReducePlan plan = column_reduce_plan(rows, cols, dtype);
-  launch_partials<1>(dy, nullptr, dtype, nullptr, nullptr, rows, cols, plan, workspace, amax_partial, s);
+  if (pre)
+    launch_partials<1, true>(dy, pre, dtype, nullptr, nullptr, rows, cols, plan, workspace, amax_partial, s, dgrad);
+  else
+    launch_partials<1>(dy, nullptr, dtype, nullptr, nullptr, rows, cols, plan, workspace, amax_partial, s);
   finish(workspace, plan.slabs, cols, out, out_dtype, s);
-  check_launch("column_sum_cuda");
+  check_launch(op);
+}
+
+}  // namespace
+
+void column_sum_cuda(const void* dy, DType dtype, int64_t rows, int64_t cols, void* out, DType out_dtype,
+                     float* workspace, void* stream, uint32_t* amax_partial) {
+  column_sums(dy, nullptr, nullptr, dtype, rows, cols, out, out_dtype, workspace, static_cast<cudaStream_t>(stream),
+              amax_partial, "column_sum_cuda");
+}
+
+void dgelu_column_sum_cuda(const void* dy, const void* pre, DType dtype, int64_t rows, int64_t cols, void* dgrad,
+                           void* out, DType out_dtype, float* workspace, void* stream, uint32_t* amax_partial) {
+  BMT_CHECK(pre && dgrad, "dgelu_column_sum_cuda: null pre or dgrad");
+  column_sums(dy, pre, dgrad, dtype, rows, cols, out, out_dtype, workspace, static_cast<cudaStream_t>(stream),
+              amax_partial, "dgelu_column_sum_cuda");
 }
 
 void layer_norm_param_grads_cuda(const void* dy, const void* x, DType dtype, const float* mean, const float* rstd,

@@ -6,6 +6,7 @@
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/column_reduce_internal.h"
 #include "bmt/core/kernels/float_elements_cpu_internal.h"
+#include "bmt/core/kernels/gemm_epilogue_internal.h"
 
 namespace bmt::core::kernels {
 namespace {
@@ -55,6 +56,21 @@ void column_sum_cpu(const void* dy, DType dtype, int64_t rows, int64_t cols, voi
   std::vector<double> sum(static_cast<size_t>(cols), 0.0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) sum[static_cast<size_t>(c)] += load_as_double(dy, dtype, r * cols + c);
+  for (int64_t c = 0; c < cols; ++c) store_from_double(out, out_dtype, c, sum[static_cast<size_t>(c)]);
+}
+
+void dgelu_column_sum_cpu(const void* dy, const void* pre, DType dtype, int64_t rows, int64_t cols, void* dgrad,
+                          void* out, DType out_dtype) {
+  check_shape(rows, cols, "dgelu_column_sum_cpu");
+  std::vector<double> sum(static_cast<size_t>(cols), 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = r * cols + c;
+      const double g = load_as_double(dy, dtype, i) * gelu_tanh_grad(static_cast<float>(load_as_double(pre, dtype, i)));
+      store_from_double(dgrad, dtype, i, g);
+      sum[static_cast<size_t>(c)] += load_as_double(dgrad, dtype, i);  // the stored (rounded) value
+    }
+  }
   for (int64_t c = 0; c < cols; ++c) store_from_double(out, out_dtype, c, sum[static_cast<size_t>(c)]);
 }
 

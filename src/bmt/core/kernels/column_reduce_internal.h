@@ -31,6 +31,13 @@ void column_sum_cpu(const void* dy, DType dtype, int64_t rows, int64_t cols, voi
 void layer_norm_param_grads_cpu(const void* dy, const void* x, DType dtype, const float* mean, const float* rstd,
                                 int64_t rows, int64_t cols, void* dgamma, void* dbeta, DType out_dtype);
 
+// The tanh-GELU MLP's d pre and c_fc's bias gradient from one read of the operands (instead of GELU's backward
+// writing d pre and the column sum reading it back): dgrad[r, c] = dy[r, c] * gelu_tanh'(pre[r, c]) rounded into
+// dtype (dy is the gradient of GELU's output), out[c] = sum_r dgrad[r, c] of the rounded values (the bias gradient of
+// what the next GEMMs consume). CPU twin: gelu_tanh_grad (gemm_epilogue_internal.h), fp64 products and sums.
+void dgelu_column_sum_cpu(const void* dy, const void* pre, DType dtype, int64_t rows, int64_t cols, void* dgrad,
+                          void* out, DType out_dtype);
+
 // Stage-1 blocks of column_sum_cuda: the number of partial maxima it writes when asked for them.
 int64_t column_sum_amax_partials(int64_t rows, int64_t cols, DType dtype);
 
@@ -40,6 +47,10 @@ int64_t column_sum_amax_partials(int64_t rows, int64_t cols, DType dtype);
 // amax from one read of dy.
 void column_sum_cuda(const void* dy, DType dtype, int64_t rows, int64_t cols, void* out, DType out_dtype,
                      float* workspace, void* stream, uint32_t* amax_partial = nullptr);
+// dgelu_column_sum_cpu on the device; amax_partial as column_sum_cuda's (of the rounded dgrad: its FP8 cast's amax).
+void dgelu_column_sum_cuda(const void* dy, const void* pre, DType dtype, int64_t rows, int64_t cols, void* dgrad,
+                           void* out, DType out_dtype, float* workspace, void* stream,
+                           uint32_t* amax_partial = nullptr);
 void layer_norm_param_grads_cuda(const void* dy, const void* x, DType dtype, const float* mean, const float* rstd,
                                  int64_t rows, int64_t cols, void* dgamma, void* dbeta, DType out_dtype,
                                  float* workspace, void* stream);
