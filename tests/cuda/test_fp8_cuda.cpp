@@ -184,6 +184,11 @@ TEST(Fp8CastCuda, CastWithTheBiasGradientEqualsTheSeparateOps) {
 TEST(Fp8CastCuda, DGeluCastEqualsTheSeparateOps) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(25);
+  struct FusedGuard {  // (the fused path whatever the environment says, restored however the test ends)
+    const bool before = bmt::nn::fp8_dgelu_fused_enabled();
+    FusedGuard() { bmt::nn::set_fp8_dgelu_fused_enabled(true); }
+    ~FusedGuard() { bmt::nn::set_fp8_dgelu_fused_enabled(before); }
+  } fused;
   const auto opts = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
   const at::Tensor dmid = at::randn({4096, 3072}, opts), pre = at::randn({4096, 3072}, opts) * 3;
   at::Tensor db;
@@ -199,6 +204,35 @@ TEST(Fp8CastCuda, DGeluCastEqualsTheSeparateOps) {
   const at::Tensor err = (dpre.to(at::kDouble) - torch_dpre).abs();
   const at::Tensor tol = torch_dpre.abs() / 128 + dmid.to(at::kDouble).abs() * 4e-6 + 1e-30;
   EXPECT_TRUE((err <= tol).all().item<bool>()) << "max error against gelu_backward " << err.max().item<double>();
+}
+
+// The FP8 MLP's gradients with the fused GELU-gradient kernel and with torch's gelu_backward then the column sum:
+// the same up to d pre's rare one-ulp differences (fp32 gelu' in either).
+TEST(Fp8LinearCuda, MlpGradientsWithTheFusedDGeluMatchTheSeparateOps) {
+  if (!fp8_gemm_device()) GTEST_SKIP() << "no CUDA device with FP8 tensor cores (8.9+)";
+  at::manual_seed(30);
+  const auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16).cuda(); };
+  const int64_t rows = 2048, d = 768;
+  const std::vector<at::Tensor> inputs = {bf(at::randn({rows, d})), bf(at::randn({4 * d, d}) * 0.04),
+                                          bf(at::randn({4 * d}) * 0.1), bf(at::randn({d, 4 * d}) * 0.02),
+                                          bf(at::randn({d}) * 0.1), bf(at::randn({rows, d}))};
+  const at::Tensor g = bf(at::randn({rows, d}));
+  const bool before = bmt::nn::fp8_dgelu_fused_enabled();
+  auto run = [&](bool fused) {
+    bmt::nn::set_fp8_dgelu_fused_enabled(fused);
+    std::vector<at::Tensor> p;
+    for (const at::Tensor& t : inputs) p.push_back(t.clone().requires_grad_());
+    bmt::nn::fp8_gelu_mlp(p[0], p[1], p[2], p[3], p[4], p[5], bmt::nn::Fp8Format::kE5M2).backward(g);
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& t : p) grads.push_back(t.grad());
+    return grads;
+  };
+  const auto fused = run(true), separate = run(false);
+  bmt::nn::set_fp8_dgelu_fused_enabled(before);
+  for (size_t i = 0; i < fused.size(); ++i) {
+    const at::Tensor a = fused[i].cpu().to(at::kDouble), b = separate[i].cpu().to(at::kDouble);
+    EXPECT_LT((a - b).norm().item<double>() / b.norm().item<double>(), 5e-3) << "gradient " << i;
+  }
 }
 
 TEST(Fp8LinearCuda, ForwardAndGradientsWithinTheFp8Bound) {

@@ -354,6 +354,10 @@ Fp8Format fp8_grad_format() { return g_grad_format.get(); }
 
 void set_fp8_grad_format(Fp8Format format) { g_grad_format.set(format); }
 
+bool fp8_dgelu_fused_enabled() { return g_dgelu_fused.enabled(); }
+
+void set_fp8_dgelu_fused_enabled(bool enabled) { g_dgelu_fused.set(enabled); }
+
 Fp8Scaling fp8_scaling() { return g_scaling.get(); }
 
 void set_fp8_scaling(Fp8Scaling scaling) { g_scaling.set(scaling); }

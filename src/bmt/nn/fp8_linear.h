@@ -70,6 +70,10 @@ Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_
 // The default gradient format of nn::Linear's FP8 path: BMT_FP8_GRAD=e5m2 (default) | e4m3, or set here.
 Fp8Format fp8_grad_format();
 void set_fp8_grad_format(Fp8Format format);
+// The FP8 MLP's GELU gradient, c_fc's bias gradient and d pre's amax in one kernel (docs/design.md, "FP8 linears"):
+// BMT_FP8_DGELU_FUSED=1 (default) | 0 (torch's gelu_backward, then the column sum), or set here.
+bool fp8_dgelu_fused_enabled();
+void set_fp8_dgelu_fused_enabled(bool enabled);
 // The default scaling of nn::Linear's FP8 path: BMT_FP8_SCALING=tensor (default) | row, or set here.
 Fp8Scaling fp8_scaling();
 void set_fp8_scaling(Fp8Scaling scaling);
