@@ -23,7 +23,8 @@
 #                           and bmt_fp8_sepamax (BMT_FP8_AMAX_FROM_SUM=0: each gradient's amax by its own pass, not
 #                           taken by its bias gradient's column sum; variant fp8-separate-amax), bmt_fp8_sepdgelu
 #                           (BMT_FP8_DGELU_FUSED=0: the FP8 MLP's GELU gradient by torch's gelu_backward, then the
-#                           bias gradient's column sum; variant fp8-separate-dgelu); bmt_tune and bmt_fp8_tune
+#                           bias gradient's column sum; variant fp8-separate-dgelu; bmt_fp8_dgelu: =1, variant
+#                           fp8-fused-dgelu); bmt_tune and bmt_fp8_tune
 #                           (BMT_GEMM_AUTOTUNE=1: each GEMM shape's cuBLASLt algorithm timed among its candidates;
 #                           variants autotune, fp8-autotune)
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
@@ -145,6 +146,8 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
         # the FP8 MLP's GELU gradient by torch's gelu_backward, then the column sum (not one fused kernel)
         bmt_fp8_sepdgelu) BENCH_VARIANT=fp8-separate-dgelu run_one "bmt_fp8_sepdgelu_$cfg" bmt "$CANON" \
                             env BMT_FP8_DGELU_FUSED=0 "$BIN" --framework bmt $C --fp8 ;;
+        bmt_fp8_dgelu) BENCH_VARIANT=fp8-fused-dgelu run_one "bmt_fp8_dgelu_$cfg" bmt "$CANON" \
+                         env BMT_FP8_DGELU_FUSED=1 "$BIN" --framework bmt $C --fp8 ;;
         # cuBLASLt's candidate algorithms timed per GEMM shape (BMT_GEMM_AUTOTUNE=1), bf16 and FP8
         bmt_tune) BENCH_VARIANT=autotune run_one "bmt_tune_$cfg" bmt "$CANON" \
                     env BMT_GEMM_AUTOTUNE=1 "$BIN" --framework bmt $C ;;
