@@ -34,8 +34,8 @@ Fp8Tensor fp8_cast_grad(Fp8Scaling scaling, const at::Tensor& dy, Fp8Format form
 
 // The tanh-GELU MLP's d pre = dmid * gelu'(pre) cast as fp8_cast_grad casts a gradient, with c_fc's bias gradient in
 // db: on CUDA with per-tensor scales one kernel writes d pre, its column sums and its amax partials (nn::
-// dgelu_column_sum), so d pre is read once more (the cast) instead of three times; elsewhere, or with
-// BMT_FP8_DGELU_FUSED=0, at::gelu_backward then fp8_cast_grad. Same bytes and statistics either way (up to the
+// dgelu_column_sum), so d pre is read once more (the cast) instead of three times, when fp8_dgelu_fused_enabled();
+// elsewhere at::gelu_backward then fp8_cast_grad. Same bytes and statistics either way (up to the
 // rounding of gelu' in fp32).
 Fp8Tensor fp8_cast_dgelu_grad(Fp8Scaling scaling, at::Tensor dmid, const at::Tensor& pre, Fp8Format format,
                               bool row_major, bool transposed, at::Tensor* db, at::ScalarType sum_dtype);

@@ -112,7 +112,8 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
       if (!done) dpre = at::Tensor();  // (not holding its bytes while the kernel below writes its own)
       const bool want_dx = ctx->needs_input_grad(0), want_dw1 = ctx->needs_input_grad(1);
       const bool want_db1 = ctx->needs_input_grad(2);
-      // (no DGELU epilogue: GELU's gradient, c_fc's bias gradient and d pre's amax in one kernel after the GEMM)
+      // (no DGELU epilogue: GELU's gradient after the GEMM, with c_fc's bias gradient and d pre's amax in the same
+      // kernel when fp8_dgelu_fused_enabled())
       const Fp8Tensor dpq =
           done ? fp8_cast_grad(Fp8Scaling::kTensor, dpre, gf, want_dx, want_dw1, want_db1 ? &db1 : nullptr,
                                w_fc.scalar_type())
