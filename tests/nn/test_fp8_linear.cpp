@@ -326,6 +326,32 @@ TEST(Fp8Linear, ResidualVariantIsTheResidualPlusTheLinear) {
 // nn::fp8_cast_grad: the bias gradient (when asked for) is nn::column_sum's and the copies are fp8_cast_as's, for
 // both scalings and with or without the bias (the CUDA variant, whose amax comes from the sum, is checked against
 // the separate ops in tests/cuda/test_fp8_cuda.cpp).
+// A cast with an earlier cast's statistics (the backward's transposed weight): the same bytes as a fresh cast of
+// the same values, sharing the earlier statistics instead of taking new ones; of other values, those statistics
+// applied as they are; per-tensor statistics only.
+TEST(Fp8Cast, KnownScaleCastIsTheCastWithoutItsScalePass) {
+  at::manual_seed(32);
+  const at::Tensor x = (at::randn({7, 13}) * 3).to(at::kBFloat16);
+  const bmt::nn::Fp8Tensor fwd = bmt::nn::fp8_cast(x, Fp8Format::kE4M3, true, false);
+  const bmt::nn::Fp8Tensor got = bmt::nn::fp8_cast_known_scale(x, Fp8Format::kE4M3, false, true, fwd);
+  const bmt::nn::Fp8Tensor want = bmt::nn::fp8_cast(x, Fp8Format::kE4M3, false, true);
+  EXPECT_FALSE(got.data.defined());
+  EXPECT_TRUE(at::equal(got.data_t.view(at::kByte), want.data_t.view(at::kByte)));
+  EXPECT_TRUE(at::equal(got.stats, want.stats) && at::equal(got.inv, want.inv));
+  EXPECT_EQ(got.stats.data_ptr(), fwd.stats.data_ptr());  // shared, not recomputed
+  const at::Tensor half = x * 0.5;  // (exact in bf16)
+  const bmt::nn::Fp8Tensor h = bmt::nn::fp8_cast_known_scale(half, Fp8Format::kE4M3, true, false, fwd);
+  const float scale = fwd.stats[1].item<float>();
+  const at::Tensor hf = half.to(at::kFloat), bytes = h.data.view(at::kByte);
+  for (int64_t r = 0; r < 7; ++r)
+    for (int64_t c = 0; c < 13; ++c)
+      EXPECT_EQ(bytes[r][c].item<uint8_t>(), k::float_to_fp8(hf[r][c].item<float>() * scale, k::Fp8Format::kE4M3));
+  const bmt::nn::Fp8Tensor rows = bmt::nn::fp8_cast_rowwise(x, Fp8Format::kE4M3, true, false);
+  EXPECT_THROW(bmt::nn::fp8_cast_known_scale(x, Fp8Format::kE4M3, true, false, rows), bmt::core::Error);
+  EXPECT_THROW(bmt::nn::fp8_cast_known_scale(x, Fp8Format::kE4M3, true, false, bmt::nn::Fp8Tensor()),
+               bmt::core::Error);
+}
+
 TEST(Fp8Linear, GradientCastWithTheBiasGradientEqualsTheSeparateOps) {
   at::manual_seed(31);
   const at::Tensor dy = (at::randn({48, 32}) * 4).to(at::kBFloat16);
