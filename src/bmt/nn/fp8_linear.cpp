@@ -106,9 +106,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     // (one cast for both copies; the bias gradient's read of dy also takes dy's amax)
     const Fp8Tensor dyq = fp8_cast_grad(scaling, dy2, grad_format, want_dx, want_dw, want_db ? &db : nullptr, w_dtype);
     if (want_dx) {
-      const Fp8Tensor wq = w_forward.stats.defined()  // W^T [in, out] row-major
-                               ? fp8_cast_known_scale(weight, Fp8Format::kE4M3, false, true, w_forward)
-                               : fp8_cast_as(scaling, weight, Fp8Format::kE4M3, false, true);
+      const Fp8Tensor wq = fp8_cast_weight_t(scaling, weight, w_forward);  // W^T [in, out] row-major
       dx = fp8_scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), grads[0].scalar_type(), false,
                          std::nullopt)
                .view(x_sizes);
@@ -208,18 +206,19 @@ Fp8Tensor cast_per_tensor(const at::Tensor& matrix, Fp8Format format, bool rowwi
 #ifdef BMT_WITH_CUDA
   c10::cuda::CUDAGuard guard(m.device());
   void* stream = current_stream_handle(m);
-  // (a fresh inverse scale is written by the scale kernel itself: no copy kernel)
-  r.inv = known ? known->inv : at::empty({}, r.stats.options());
-  if (known) {
-    // the statistics of an earlier cast of the same values
-  } else if (amax_partials.defined()) {
-    k::fp8_scale_from_partials_cuda(static_cast<const uint32_t*>(amax_partials.data_ptr()), amax_partials.numel(), f,
-                                    r.stats.data_ptr<float>(), stream, r.inv.data_ptr<float>());
+  if (known) {  // the statistics of an earlier cast of the same values: the cast alone
+    r.inv = known->inv;
   } else {
-    // (from the caching allocator: ordered on this stream, and in a CUDA graph's pool when captured)
-    const at::Tensor ws = at::empty({k::fp8_scale_workspace_numel(m.numel())}, m.options().dtype(at::kInt));
-    k::fp8_scale_cuda(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>(),
-                      static_cast<uint32_t*>(ws.data_ptr()), stream, r.inv.data_ptr<float>());
+    r.inv = at::empty({}, r.stats.options());  // written by the scale kernel itself (no copy kernel)
+    if (amax_partials.defined()) {
+      k::fp8_scale_from_partials_cuda(static_cast<const uint32_t*>(amax_partials.data_ptr()), amax_partials.numel(),
+                                      f, r.stats.data_ptr<float>(), stream, r.inv.data_ptr<float>());
+    } else {
+      // (from the caching allocator: ordered on this stream, and in a CUDA graph's pool when captured)
+      const at::Tensor ws = at::empty({k::fp8_scale_workspace_numel(m.numel())}, m.options().dtype(at::kInt));
+      k::fp8_scale_cuda(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>(),
+                        static_cast<uint32_t*>(ws.data_ptr()), stream, r.inv.data_ptr<float>());
+    }
   }
   k::fp8_cast_cuda(m.data_ptr(), dt, rows, cols, r.stats.data_ptr<float>(), f, q, qt, stream);
   return r;
@@ -239,6 +238,11 @@ Fp8Tensor fp8_cast_known_scale(const at::Tensor& matrix, Fp8Format format, bool 
   BMT_CHECK(earlier.stats.defined() && earlier.inv.defined() && earlier.inv.dim() == 0,
             "nn::fp8_cast_known_scale: needs the statistics of a per-tensor cast");
   return cast_per_tensor(matrix, format, rowwise, transposed, at::Tensor(), &earlier);
+}
+
+Fp8Tensor fp8_cast_weight_t(Fp8Scaling scaling, const at::Tensor& weight, const Fp8Tensor& forward) {
+  return forward.stats.defined() ? fp8_cast_known_scale(weight, Fp8Format::kE4M3, false, true, forward)
+                                 : fp8_cast_as(scaling, weight, Fp8Format::kE4M3, false, true);
 }
 
 Fp8Tensor fp8_cast_grad(Fp8Scaling scaling, const at::Tensor& dy, Fp8Format format, bool row_major, bool transposed,

@@ -25,6 +25,10 @@ Fp8Tensor fp8_cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format,
 Fp8Tensor fp8_cast_known_scale(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed,
                                const Fp8Tensor& earlier);
 
+// A weight's transposed E4M3 copy for the backward's dgrad GEMM: with the forward cast's statistics where it kept them
+// (forward.stats defined: fp8_cast_known_scale), else cast afresh (fp8_cast_as).
+Fp8Tensor fp8_cast_weight_t(Fp8Scaling scaling, const at::Tensor& weight, const Fp8Tensor& forward);
+
 // dy's FP8 copies as fp8_cast_as gives them and, with db, its column sums in sum_dtype (the bias gradient, what
 // nn::column_sum gives). On CUDA with per-tensor scales the column-sum kernel also takes dy's amax, so the cast reads
 // dy once instead of twice (amax pass, cast pass); the bytes, statistics and sums are the same either way. Neither

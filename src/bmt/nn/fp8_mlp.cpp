@@ -83,10 +83,6 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
                      &w_proj = saved[5], &pre = saved[6];
     Fp8Tensor w1_forward, w2_forward;  // the forward casts' statistics
     w1_forward.stats = saved[7], w1_forward.inv = saved[8], w2_forward.stats = saved[9], w2_forward.inv = saved[10];
-    const auto transposed_weight = [](const at::Tensor& w, const Fp8Tensor& forward) {
-      return forward.stats.defined() ? fp8_cast_known_scale(w, kE4M3, false, true, forward)
-                                     : fp8_cast(w, kE4M3, false, true);
-    };
     const auto gf = static_cast<Fp8Format>(ctx->saved_data["grad_format"].toInt());
     const bool epilogues = ctx->saved_data["epilogues"].toBool();
     const int64_t out = w_proj.size(0);
@@ -103,7 +99,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     if (want_dpre) {
       // d pre = (dy w_proj) * gelu'(pre): GELU's gradient in the GEMM's epilogue (large problems, see
       // kDGeluMinOutputs), else after it
-      const Fp8Tensor w2t = transposed_weight(w_proj, w2_forward);  // w_proj^T [hidden, out] row-major
+      const Fp8Tensor w2t = fp8_cast_weight_t(Fp8Scaling::kTensor, w_proj, w2_forward);  // w_proj^T [hidden, out] row-major
       const bool try_dgelu =
           epilogues && (!pre.is_cuda() || (g_dgelu.enabled() && pre.numel() >= kDGeluMinOutputs));
       at::Tensor dpre = try_dgelu ? at::empty_like(pre) : at::Tensor();
@@ -121,7 +117,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
                                      fp8_scaled_mm(dyq.data, dyq.inv, w2t.data_t, w2t.inv, dtype, false, std::nullopt),
                                      pre, gf, want_dx, want_dw1, want_db1 ? &db1 : nullptr, w_fc.scalar_type());
       if (want_dx) {
-        const Fp8Tensor w1t = transposed_weight(w_fc, w1_forward);  // w_fc^T [in, hidden] row-major
+        const Fp8Tensor w1t = fp8_cast_weight_t(Fp8Scaling::kTensor, w_fc, w1_forward);  // w_fc^T [in, hidden] row-major
         dx = fp8_scaled_mm(dpq.data, dpq.inv, w1t.data_t, w1t.inv, dtype, false, std::nullopt)
                  .view(ctx->saved_data["x_sizes"].toIntVector());
       }

@@ -134,15 +134,13 @@ bool fused_reductions_enabled() { return g_enabled.enabled(); }
 
 void set_fused_reductions_enabled(bool enabled) { g_enabled.set(enabled); }
 
-at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype, at::Tensor* amax_partials) {
-  BMT_CHECK(matrix.dim() == 2, "nn::column_sum: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
-  BMT_CHECK(supported_dtype(matrix.scalar_type()) && supported_dtype(out_dtype),
-            "nn::column_sum: dtypes must be fp32, bf16 or fp16, got ", matrix.scalar_type(), " -> ", out_dtype);
-  if (!matrix.is_cuda()) {
-    if (amax_partials) *amax_partials = at::Tensor();
-    return matrix.sum(0, /*keepdim=*/false, at::kFloat).to(out_dtype);
-  }
+namespace {
+
 #ifdef BMT_WITH_CUDA
+// The column-sum kernel on a 2-D CUDA matrix: the sums of its rows, or with pre (defined) those of matrix * gelu'(pre)
+// with that product written to *dgrad; amax_partials (may be null) as column_sum documents.
+at::Tensor column_sums_cuda(const at::Tensor& matrix, const at::Tensor& pre, at::ScalarType out_dtype,
+                            at::Tensor* amax_partials, at::Tensor* dgrad) {
   c10::cuda::CUDAGuard guard(matrix.device());
   const at::Tensor m = matrix.contiguous();
   const int64_t rows = m.size(0), cols = m.size(1);
@@ -154,9 +152,31 @@ at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype, at::Te
     *amax_partials = at::empty({k::column_sum_amax_partials(rows, cols, dt)}, m.options().dtype(at::kInt));
     partials = static_cast<uint32_t*>(amax_partials->data_ptr());
   }
-  k::column_sum_cuda(m.data_ptr(), dt, rows, cols, out.data_ptr(), to_core_dtype(out_dtype), ws.data_ptr<float>(),
-                     current_stream_handle(m), partials);
+  if (pre.defined()) {
+    const at::Tensor x = pre.contiguous();
+    *dgrad = at::empty_like(m);
+    k::dgelu_column_sum_cuda(m.data_ptr(), x.data_ptr(), dt, rows, cols, dgrad->data_ptr(), out.data_ptr(),
+                             to_core_dtype(out_dtype), ws.data_ptr<float>(), current_stream_handle(m), partials);
+  } else {
+    k::column_sum_cuda(m.data_ptr(), dt, rows, cols, out.data_ptr(), to_core_dtype(out_dtype), ws.data_ptr<float>(),
+                       current_stream_handle(m), partials);
+  }
   return out;
+}
+#endif
+
+}  // namespace
+
+at::Tensor column_sum(const at::Tensor& matrix, at::ScalarType out_dtype, at::Tensor* amax_partials) {
+  BMT_CHECK(matrix.dim() == 2, "nn::column_sum: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
+  BMT_CHECK(supported_dtype(matrix.scalar_type()) && supported_dtype(out_dtype),
+            "nn::column_sum: dtypes must be fp32, bf16 or fp16, got ", matrix.scalar_type(), " -> ", out_dtype);
+  if (!matrix.is_cuda()) {
+    if (amax_partials) *amax_partials = at::Tensor();
+    return matrix.sum(0, /*keepdim=*/false, at::kFloat).to(out_dtype);
+  }
+#ifdef BMT_WITH_CUDA
+  return column_sums_cuda(matrix, at::Tensor(), out_dtype, amax_partials, nullptr);
 #else
   BMT_ERROR("nn::column_sum: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
 #endif
@@ -177,19 +197,8 @@ std::pair<at::Tensor, at::Tensor> dgelu_column_sum(const at::Tensor& dy, const a
     return {std::move(dpre), std::move(db)};
   }
 #ifdef BMT_WITH_CUDA
-  c10::cuda::CUDAGuard guard(dy.device());
-  const at::Tensor g = dy.contiguous(), x = pre.contiguous();
-  const int64_t rows = g.size(0), cols = g.size(1);
-  const core::DType dt = to_core_dtype(g.scalar_type());
-  at::Tensor dpre = at::empty_like(g), db = at::empty({cols}, g.options().dtype(sum_dtype));
-  at::Tensor ws = at::empty({k::column_reduce_workspace_numel(rows, cols, dt)}, g.options().dtype(at::kFloat));
-  uint32_t* partials = nullptr;
-  if (amax_partials) {
-    *amax_partials = at::empty({k::column_sum_amax_partials(rows, cols, dt)}, g.options().dtype(at::kInt));
-    partials = static_cast<uint32_t*>(amax_partials->data_ptr());
-  }
-  k::dgelu_column_sum_cuda(g.data_ptr(), x.data_ptr(), dt, rows, cols, dpre.data_ptr(), db.data_ptr(),
-                           to_core_dtype(sum_dtype), ws.data_ptr<float>(), current_stream_handle(g), partials);
+  at::Tensor dpre;
+  at::Tensor db = column_sums_cuda(dy, pre, sum_dtype, amax_partials, &dpre);
   return {std::move(dpre), std::move(db)};
 #else
   BMT_ERROR("nn::dgelu_column_sum: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");

@@ -205,7 +205,7 @@ void column_sums(const void* dy, const void* pre, void* dgrad, DType dtype, int6
               ": cudaMemsetAsync failed");
     return;
   }
-  BMT_CHECK(dy && out && workspace && (!pre || dgrad), op, ": null buffer");
+  BMT_CHECK(dy && out && workspace, op, ": null buffer");
   const ColumnReducePlan plan = column_reduce_plan(rows, cols, dtype);
   if (pre)
     launch_partials<1, true>(dy, pre, dtype, nullptr, nullptr, rows, cols, plan, workspace, amax_partial, s, dgrad);

@@ -211,15 +211,14 @@ bool gemm_epilogue_cuda(const GemmEpilogueArgs& g, void* workspace, size_t works
   const ProblemKey key{device, g.rows, g.cols, g.inner, g.b_transposed, static_cast<int>(g.dtype),
                        static_cast<int>(g.epilogue), g.residual != nullptr, g.bias != nullptr, align,
                        workspace_nbytes, fp8_code(f8)};
-  // (the capture query is a host call: asked only while this problem is still untuned)
-  const bool may_tune = g.autotune_candidates > 1 && g.out != g.residual;
   CachedAlgo algo;
   {
     std::lock_guard<std::mutex> lock(cache_mu);
     auto it = cache.find(key);
-    const bool settled = it != cache.end() && (it->second.tuned || !it->second.found || !may_tune);
-    const bool tune = !settled && may_tune && !stream_capturing(cuda_stream);
-    if (it != cache.end() && (settled || !tune)) {
+    // (the capture query is a host call: asked only while this problem is still untuned)
+    const bool untuned = it == cache.end() || (!it->second.tuned && it->second.found);
+    const bool tune = g.autotune_candidates > 1 && g.out != g.residual && untuned && !stream_capturing(cuda_stream);
+    if (it != cache.end() && (it->second.tuned || !tune || !it->second.found)) {
       algo = it->second;
     } else {
       BMT_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
