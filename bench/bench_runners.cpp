@@ -66,6 +66,7 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   if (const char* d = std::getenv("BMT_BENCH_DTYPE")) dtype = std::string(d) == "bf16" ? at::kBFloat16 : at::kFloat;
   examples::ParallelOptions parallel(a.zero, a.checkpointing);
   parallel.fp8 = a.fp8;
+  parallel.fp8_head = a.fp8_head;
   parallel.pipe_schedule = bmt::parse_pipe_schedule(a.pp_schedule);
   std::shared_ptr<examples::LanguageModel> model = examples::make_model(shape.model, parallel, dtype);
   at::manual_seed(a.seed);

@@ -165,6 +165,7 @@ int run(const Args& a) {
   const std::string fp8_grad =
       fp8_rows || bmt::nn::fp8_grad_format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2";
   if (a.fp8) config += fp8_rows ? std::string(" fp8-rowwise") : " fp8-" + fp8_grad;
+  if (a.fp8_head) config += " fp8-head";
   if (a.step_in_backward) config += " step-in-backward";
   if (a.cuda_graphs) config += " cuda-graphs";
   const bool our_reductions = a.framework == "bmt" && bmt::nn::fused_reductions_enabled();  // BMT_FUSED_REDUCTIONS
@@ -289,6 +290,7 @@ int run(const Args& a) {
       << ",\"checkpointing\":" << (a.checkpointing ? "true" : "false") << ",\"fp8\":" << (a.fp8 ? "true" : "false")
       << ",\"fp8_grad\":" << (a.fp8 ? json_str(fp8_grad) : "null")
       << ",\"fp8_scaling\":" << (a.fp8 ? json_str(fp8_rows ? "row" : "tensor") : "null")
+      << ",\"fp8_head\":" << (a.fp8_head ? "true" : "false")
       << ",\"offload\":" << (a.offload ? "true" : "false") << ",\"zero\":" << (a.framework == "bmt" ? std::to_string(a.zero) : "null")
       << ",\"device\":" << json_str(r.device.str()) << ",\"params\":" << r.num_params
       << ",\"matmul_params\":" << r.num_matmul_params << ",\"flops_per_token\":" << json_num(flops_per_token, 8)

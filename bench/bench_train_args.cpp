@@ -16,6 +16,7 @@ const char* kUsage =
     "usage: bmt-bench-train --framework bmt|plain --preset tiny|gpt2-124m|gpt-1.3b|gpt-6.7b|llama-7b\n"
     "                       [--seq T] [--batch B] [--steps N (10)] [--warmup W (3)] [--checkpointing] [--offload]\n"
     "                       [--fp8 (bmt, gpt: FP8 GEMMs in the transformer layers; JSON \"fp8\": true)]\n"
+    "                       [--fp8-head (with --fp8: the LM head's GEMMs in FP8 too; JSON \"fp8_head\": true)]\n"
     "                       [--zero 2|3] [--json PATH] [--arch gpt|llama] [--device auto|cpu|cuda (plain)]\n"
     "                       [--plain-adamw fused|torch] [--autocast auto|on|off (plain, bf16)] [--raw-step (bmt)]\n"
     "                       [--no-overlap (offload: update every Block after the backward)]\n"
@@ -77,6 +78,7 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--seed") a.seed = static_cast<uint64_t>(to_int(f, need(i)));
     else if (f == "--checkpointing") a.checkpointing = true;
     else if (f == "--fp8") a.fp8 = true;
+    else if (f == "--fp8-head") a.fp8_head = true;
     else if (f == "--offload") a.offload = true;
     else if (f == "--offload-blocks") a.offload = a.offload_blocks_only = true;
     else if (f == "--offload-gpu-blocks") {
@@ -108,6 +110,7 @@ Args parse_args(int argc, char** argv) {
   if ((a.offload_grad_bf16 || a.offload_async) && !a.offload)
     throw std::invalid_argument("--offload-grad-bf16 and --offload-async need --offload");
   if (a.fp8 && a.framework != "bmt") throw std::invalid_argument("--fp8 is for --framework bmt");
+  if (a.fp8_head && !a.fp8) throw std::invalid_argument("--fp8-head puts the LM head in FP8 beside the layers; add --fp8");
   if (a.tp < 1 || (a.tp > 1 && a.framework != "bmt")) throw std::invalid_argument("--tp N (>= 1) is for --framework bmt");
   if (a.pp < 1 || (a.pp > 1 && a.framework != "bmt")) throw std::invalid_argument("--pp N (>= 1) is for --framework bmt");
   if (a.micro_batches < 0) throw std::invalid_argument("--micro-batches must be >= 1");

@@ -16,6 +16,7 @@ struct Args {
   int64_t steps = 10, warmup = 3;
   bool checkpointing = false, offload = false, raw_step = false, force = false, no_overlap = false;
   bool fp8 = false;  // --fp8: FP8 GEMMs in the transformer layers' linears (examples::ParallelOptions::fp8)
+  bool fp8_head = false;  // --fp8-head: the LM head in FP8 too (examples::ParallelOptions::fp8_head)
   int zero = 3;
   int tp = 1;
   int pp = 1;             // --pp N: pipeline stages (gpt)

@@ -24,7 +24,8 @@
 #                           taken by its bias gradient's column sum; variant fp8-separate-amax), bmt_fp8_sepdgelu
 #                           (BMT_FP8_DGELU_FUSED=0: the FP8 MLP's GELU gradient by torch's gelu_backward, then the
 #                           bias gradient's column sum; variant fp8-separate-dgelu; bmt_fp8_dgelu: =1, variant
-#                           fp8-fused-dgelu); bmt_tune and bmt_fp8_tune
+#                           fp8-fused-dgelu); bmt_fp8_head (--fp8-head: the LM head in FP8 too; variant fp8-head),
+#                           bmt_fp8_dgelu_head (both; variant fp8-fused-dgelu-head); bmt_tune and bmt_fp8_tune
 #                           (BMT_GEMM_AUTOTUNE=1: each GEMM shape's cuBLASLt algorithm timed among its candidates;
 #                           variants autotune, fp8-autotune)
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
@@ -148,6 +149,10 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
                             env BMT_FP8_DGELU_FUSED=0 "$BIN" --framework bmt $C --fp8 ;;
         bmt_fp8_dgelu) BENCH_VARIANT=fp8-fused-dgelu run_one "bmt_fp8_dgelu_$cfg" bmt "$CANON" \
                          env BMT_FP8_DGELU_FUSED=1 "$BIN" --framework bmt $C --fp8 ;;
+        bmt_fp8_head) BENCH_VARIANT=fp8-head run_one "bmt_fp8_head_$cfg" bmt "$CANON" \
+                        "$BIN" --framework bmt $C --fp8 --fp8-head ;;
+        bmt_fp8_dgelu_head) BENCH_VARIANT=fp8-fused-dgelu-head run_one "bmt_fp8_dgelu_head_$cfg" bmt "$CANON" \
+                              env BMT_FP8_DGELU_FUSED=1 "$BIN" --framework bmt $C --fp8 --fp8-head ;;
         # cuBLASLt's candidate algorithms timed per GEMM shape (BMT_GEMM_AUTOTUNE=1), bf16 and FP8
         bmt_tune) BENCH_VARIANT=autotune run_one "bmt_tune_$cfg" bmt "$CANON" \
                     env BMT_GEMM_AUTOTUNE=1 "$BIN" --framework bmt $C ;;

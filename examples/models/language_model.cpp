@@ -214,6 +214,12 @@ bool fp8_linear_group(const ParallelOptions& parallel, bool attention) {
   return g == "all" || (g == "attn") == attention;
 }
 
+bool fp8_head(const ParallelOptions& parallel) {
+  BMT_CHECK(parallel.fp8 || !parallel.fp8_head, "model: fp8_head (--fp8-head) puts the LM head in FP8 beside the "
+            "layers; it needs fp8 (--fp8)");
+  return parallel.fp8_head;
+}
+
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& config, const ParallelOptions& parallel,
                                           at::ScalarType dtype) {
   if (config.arch == "llama") return std::make_shared<Llama>(config, parallel, dtype);

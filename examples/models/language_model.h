@@ -68,6 +68,9 @@ struct ParallelOptions {
   // Which linears of an FP8 layer run in FP8: "all" (default), "mlp" (the attention's q/k/v and output stay in the
   // parameter dtype) or "attn" (the MLP stays): a fidelity knob, measured in BENCHMARKS.md.
   std::string fp8_linears = "all";
+  // With fp8: the LM head's GEMMs in FP8 too (gpt: the tied projection of wte; llama: output). Off by default: the
+  // head's logits feed the loss directly, and FP8 recipes keep it in bf16; a speed knob, measured in BENCHMARKS.md.
+  bool fp8_head = false;
   // The tensor-parallel layout; unset: the architecture's plan (gpt_tp_plan / llama_tp_plan) with
   // bmt::config().sequence_parallel. Ignored at tp_size 1 except for its validation.
   std::optional<bmt::nn::TpPlan> tp_plan;
@@ -161,6 +164,8 @@ bool fp8_layer(const ParallelOptions& parallel, int64_t layer, int64_t num_layer
 // Whether an FP8 layer's attention (attention = true) or MLP linears run in FP8 (parallel.fp8_linears); throws
 // naming the value when it is not all, mlp or attn.
 bool fp8_linear_group(const ParallelOptions& parallel, bool attention);
+// Whether the LM head runs in FP8 (parallel.fp8_head); throws when fp8_head is set without fp8.
+bool fp8_head(const ParallelOptions& parallel);
 
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& config, const ParallelOptions& parallel,
                                           at::ScalarType dtype);

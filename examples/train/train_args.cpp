@@ -35,6 +35,8 @@ std::string train_usage() {
                       end (e.g. 0,-1: the first and the last); default none
   --fp8-linears G     which linears of an FP8 layer run in FP8: all (default), mlp (attention's q/k/v and output
                       stay --dtype) or attn (the MLP stays --dtype)
+  --fp8-head          with --fp8: the LM head's GEMMs in FP8 too (gpt: wte's tied projection, llama: output);
+                      default off (the head stays --dtype)
   --cuda-graphs       capture the forward + backward (ZeRO gathers and reductions included) as a CUDA graph
                       after 2 eager steps and replay it (bmt::CudaGraphStep; the optimizer step stays eager);
                       not with --pp; eager on CPUs (a notice). Default on for one GPU (world 1, no --pp);
@@ -143,6 +145,8 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       a.checkpointing = true;
     } else if (arg == "--fp8") {
       a.fp8 = true;
+    } else if (arg == "--fp8-head") {
+      a.fp8_head = true;
     } else if (arg == "--cuda-graphs") {
       a.cuda_graphs = true;
     } else if (arg == "--no-cuda-graphs") {
@@ -209,6 +213,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
   BMT_CHECK(a.fp8_linears == "all" || a.fp8_linears == "mlp" || a.fp8_linears == "attn",
             "--fp8-linears must be all, mlp or attn, got '", a.fp8_linears, "'");
   BMT_CHECK(a.fp8 || a.fp8_linears == "all", "--fp8-linears chooses the linears in FP8; it needs --fp8");
+  BMT_CHECK(a.fp8 || !a.fp8_head, "--fp8-head puts the LM head in FP8 beside the layers; it needs --fp8");
   BMT_CHECK(a.model == "gpt" || a.model == "llama", "--model must be gpt or llama, got '", a.model, "'");
   BMT_CHECK(a.progress == "auto" || a.progress == "bar" || a.progress == "lines" || a.progress == "off",
             "--progress must be auto, bar, lines or off, got '", a.progress, "'");

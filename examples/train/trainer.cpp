@@ -88,6 +88,7 @@ void build(Run& run) {
   parallel.fp8 = args.fp8;
   parallel.fp8_bf16_layers = args.fp8_bf16_layers;
   parallel.fp8_linears = args.fp8_linears;
+  parallel.fp8_head = args.fp8_head;
   parallel.pipe_schedule = bmt::parse_pipe_schedule(args.pp_schedule);
   run.model = make_model(s.model, parallel, s.dtype);
   at::manual_seed(args.seed);

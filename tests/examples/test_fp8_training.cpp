@@ -1,15 +1,16 @@
 // FP8 linears in the example GPT (ParallelOptions::fp8, train_gpt --fp8): the tiny preset learns on 2 CPU ranks
-// over Gloo with ZeRO-3, with and without activation checkpointing (the recompute repeats the casts), at tp 2, and
-// the tiny Llama with checkpointing, the loss
-// finite throughout; fp8 off is today's model bit for bit and fp8 on changes the layers' GEMMs only within FP8's
-// rounding. On CPU the GEMMs are torch's CPU _scaled_mm and the casts our kernels' CPU twin.
+// over Gloo with ZeRO-3, with and without activation checkpointing (the recompute repeats the casts), at tp 2 and
+// the tiny Llama with checkpointing (both with the LM head in FP8 too, fp8_head), the loss finite throughout; fp8
+// off is today's model bit for bit and fp8 on changes the layers' GEMMs only within FP8's rounding. On CPU the GEMMs are torch's CPU _scaled_mm and the casts our kernels' CPU twin.
 #include <gtest/gtest.h>
 
 #include <cmath>
 
 #include "bmt/nn/fp8_linear.h"
+#include "bmt/nn/layers.h"
 #include "bmt/params/module_state.h"
 #include "bmt/params/param_init.h"
+#include "bmt/params/parameter.h"
 #include "bmt/runtime/distributed.h"
 #include "models/gpt.h"
 #include "run_ranks.h"
@@ -59,6 +60,7 @@ TEST(Fp8Training, TinyGptLearnsAtTensorParallelSizeTwo) {  // each rank's GEMM o
   bmt::testing::run_ranks(2, [] {
     examples::TrainArgs a = fp8_args(false);
     a.tp = 2;
+    a.fp8_head = true;  // and the vocabulary-parallel head's GEMM (each rank's slice)
     expect_learns(examples::run_training(a));
   }, init);
 }
@@ -67,6 +69,7 @@ TEST(Fp8Training, TinyLlamaLearnsOnTwoRanks) {
   bmt::testing::run_ranks(2, [] {
     examples::TrainArgs a = fp8_args(true);
     a.model = "llama";
+    a.fp8_head = true;  // and the output head
     expect_learns(examples::run_training(a));
   });
 }
@@ -163,4 +166,53 @@ TEST(Fp8Training, OffIsTodaysModelAndOnStaysWithinFp8Rounding) {
     EXPECT_GT(diff, 0.0) << "fp8 on did not change the GEMMs";
     EXPECT_LT(diff, 0.1 * scale) << "fp8 logits far from the fp32 ones";
   });
+}
+
+TEST(Fp8Training, Fp8HeadRunsTheLmHeadsGemmsInFp8) {
+  bmt::testing::run_ranks(1, [] {
+    examples::ModelConfig c;
+    c.num_layers = 2, c.dim = 64, c.num_heads = 4, c.ffn_dim = 256, c.vocab_size = 32, c.max_seq_len = 16;
+    examples::ParallelOptions layers(3, false), head(3, false);
+    layers.fp8 = head.fp8 = true;
+    head.fp8_head = true;
+    examples::Gpt a(c, layers, at::kFloat), b(c, head, at::kFloat);
+    for (examples::Gpt* m : {&a, &b}) bmt::init_parameters(*m);
+    // The tied projection is fp8_linear of wte's weight, bit for bit, and not the fp32 GEMM.
+    const at::Tensor x = at::randn({32, c.dim});
+    const at::Tensor E = bmt::gathered(b.wte.weight());
+    const at::Tensor fp8 = b.wte.projection(x), want = bmt::nn::fp8_linear(x, E, at::Tensor(),
+                                                                          bmt::nn::fp8_grad_format());
+    EXPECT_TRUE(at::equal(fp8, want));
+    EXPECT_FALSE(at::equal(fp8, at::linear(x, E)));
+    EXPECT_TRUE(at::equal(a.wte.projection(x), at::linear(x, bmt::gathered(a.wte.weight()))))
+        << "fp8_head off: the head stays in the parameter dtype";
+    // The whole model: the same layers, only the head's rounding differs.
+    const at::Tensor ids = at::randint(0, c.vocab_size, {2, 16}, at::TensorOptions().dtype(at::kLong));
+    const at::Tensor la = a.forward(ids), lb = b.forward(ids);
+    const double diff = (lb - la).abs().max().item<double>(), scale = la.abs().max().item<double>();
+    EXPECT_GT(diff, 0.0) << "fp8_head did not change the head's GEMM";
+    EXPECT_LT(diff, 0.1 * scale);
+    const examples::ModelConfig gpt_config = c;
+    // Llama: its untied output linear.
+    c.arch = "llama";
+    for (bool on : {false, true}) {
+      head.fp8_head = on;
+      auto llama = examples::make_model(c, head, at::kFloat);
+      auto* out = dynamic_cast<bmt::nn::LinearImpl*>(llama->named_modules()["output"].get());
+      ASSERT_NE(out, nullptr);
+      EXPECT_EQ(out->fp8, on);
+    }
+    examples::ParallelOptions no_fp8(3, false);
+    no_fp8.fp8_head = true;
+    try {
+      examples::Gpt bad(gpt_config, no_fp8, at::kFloat);
+      ADD_FAILURE() << "fp8_head without fp8 was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("fp8_head (--fp8-head)"), std::string::npos) << e.what();
+    }
+  });
+  const char* argv[] = {"train_gpt", "--fp8", "--fp8-head"};
+  EXPECT_TRUE(examples::parse_train_args(3, argv).fp8_head);
+  const char* no_fp8[] = {"train_gpt", "--fp8-head"};
+  EXPECT_THROW(examples::parse_train_args(2, no_fp8), std::exception);
 }

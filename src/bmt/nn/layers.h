@@ -51,6 +51,9 @@ class EmbeddingImpl : public torch::nn::Module {
   // logits = x · weightᵀ (tied output projection), reusing an already gathered weight when given.
   at::Tensor projection(const at::Tensor& x, const at::Tensor& gathered_weight = {});
   int64_t num_embeddings, dim;
+  // The tied projection's GEMMs in FP8 (nn::linear_or_fp8: the process's gradient format and scaling; bf16 when a
+  // dimension is not a multiple of 16). The lookup is unaffected. Off by default: a language model's head.
+  bool fp8 = false;
   at::Tensor weight;  // (num_embeddings, dim)
 };
 TORCH_MODULE(Embedding);

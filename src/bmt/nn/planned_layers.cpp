@@ -98,6 +98,12 @@ at::Tensor PlannedEmbedding::projection(const at::Tensor& x, const at::Tensor& g
   return dense_->projection(x, gathered_weight);
 }
 
+void PlannedEmbedding::set_fp8_projection(bool on) {
+  BMT_CHECK(dense_ || vocab_, "nn::PlannedEmbedding: empty handle; build it with TpScope::embedding");
+  if (dense_) dense_->fp8 = on;
+  if (vocab_) vocab_->fp8 = on;
+}
+
 const at::Tensor& PlannedEmbedding::weight() const {
   if (vocab_) return vocab_->weight;
   BMT_CHECK(dense_, "nn::PlannedEmbedding: empty handle; build it with TpScope::embedding");

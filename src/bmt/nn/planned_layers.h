@@ -70,6 +70,8 @@ class PlannedEmbedding {
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& gathered_weight = {});
   // The tied output projection: full logits, or this rank's vocabulary slice when vocab-parallel.
   at::Tensor projection(const at::Tensor& x, const at::Tensor& gathered_weight = {});
+  // The projection's GEMM in FP8 (EmbeddingImpl::fp8 / VPEmbeddingImpl::fp8); the lookup is unaffected.
+  void set_fp8_projection(bool on);
   const at::Tensor& weight() const;  // the parameter (bmt::gathered(weight()) for the tensor)
   bool vocab_parallel() const { return static_cast<bool>(vocab_); }
   const std::string& name() const { return name_; }
