@@ -228,10 +228,13 @@ class VPEmbedding(DistributedModule):
     different tokens and every rank's gradient reaches the row's owner (BMTrain keeps only the owner's own tokens);
     with init_distributed(sequence_parallel=False) the ids must be the same on every tp rank.
     forward(x, projection=True): logits of this rank's vocabulary slice (for FusedCrossEntropy(parallel=True)):
-    x's rows are split over tp and all-gathered, as BMTrain's, returned as (x.shape[0], -1, vocab/tp)."""
+    x's rows are split over tp and all-gathered, as BMTrain's, returned as (x.shape[0], -1, vocab/tp).
+    Keyword-only extra (not in BMTrain): fp8=True runs the projection's GEMM in FP8 (fp8_linear; the lookup is
+    unchanged; the attribute may change between steps)."""
 
-    def __init__(self, vocab_size, embedding_size, dtype=torch.half, init_mean=0.0, init_std=1):
+    def __init__(self, vocab_size, embedding_size, dtype=torch.half, init_mean=0.0, init_std=1, *, fp8=False):
         super().__init__()
+        self.fp8 = bool(fp8)
         self.vocab_size, self.embedding_size = vocab_size, embedding_size
         self.dim_model = embedding_size
         self.vocab_per_partition = _split_size(vocab_size, "vocab_size", "VPEmbedding")
@@ -248,7 +251,7 @@ class VPEmbedding(DistributedModule):
     def forward(self, x, projection=False):
         if not projection:
             return _tp.vocab_parallel_lookup(x, self.weight, self.sequence_parallel)
-        y = _tp.vocab_parallel_projection(x, self.weight, self.sequence_parallel)
+        y = _tp.vocab_parallel_projection(x, self.weight, self.sequence_parallel, self.fp8)
         # BMTrain's shape: the gathered rows viewed as (x.shape[0], -1, ·) (the C++ op keeps 2-dim rows as rows)
         return y.view(x.shape[0], -1, y.shape[-1]) if self.sequence_parallel and x.dim() == 2 else y
 
@@ -271,17 +274,21 @@ class LayerNorm(DistributedModule):
 
 
 class Embedding(DistributedModule):
-    """An embedding table over a DistributedParameter (normal init, std init_std)."""
+    """An embedding table over a DistributedParameter (normal init, std init_std). forward(x, projection=True): the
+    tied projection x weightᵀ; fp8=True (keyword-only) runs it as fp8_linear."""
 
-    def __init__(self, num_embeddings, embedding_dim, dtype=None, init_std=0.02):
+    def __init__(self, num_embeddings, embedding_dim, dtype=None, init_std=0.02, *, fp8=False):
         super().__init__()
+        self.fp8 = bool(fp8)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = DistributedParameter(torch.empty(num_embeddings, embedding_dim, dtype=_dtype(dtype)),
                                            init_method=ParameterInitializer(torch.nn.init.normal_, std=init_std))
 
     def forward(self, ids, projection=False):
         w = self.weight
-        return F.linear(ids, w) if projection else F.embedding(ids, w)
+        if not projection:
+            return F.embedding(ids, w)
+        return _nn.fp8_linear(ids, w, None, None, None) if self.fp8 else F.linear(ids, w)
 
 
 del math

@@ -138,6 +138,21 @@ def fp8_linear_rowwise_matches_the_dequantized_product():
 
 
 @case
+def embedding_fp8_projection_is_the_fp8_linear_of_its_table():
+    """bmt.nn.Embedding(fp8=True): the tied projection is fp8_linear of the table (the lookup unchanged)."""
+    emb = bmt.nn.Embedding(OUT, IN, dtype=torch.float32, fp8=True)
+    bmt.init_parameters(emb)
+    x = rank_input(rank(), ROWS, IN, seed=25)
+    with torch.no_grad():
+        assert_equal("Embedding(fp8) projection", emb(x, projection=True), bmt.nn.fp8_linear(x, emb.weight))
+        ids = torch.arange(OUT, device=x.device)
+        assert_equal("Embedding(fp8) lookup", emb(ids), emb.weight)
+        emb.fp8 = False
+        if torch.equal(emb(x, projection=True), bmt.nn.fp8_linear(x, emb.weight)):
+            raise AssertionError("Embedding(fp8=False) projection equals the FP8 one")
+
+
+@case
 def fp8_linear_falls_back_and_refuses_bad_formats():
     x, w = rank_input(rank(), ROWS, IN - 8, seed=21), randn(OUT, IN - 8, seed=22)  # 56 features: not FP8
     if bmt._C.nn.fp8_linear_applies(x, w):

@@ -110,6 +110,15 @@ def fp8_column_and_row_layers():
     rel = float((y32 - y).abs().max() / y32.abs().max())
     if not 1e-4 < rel < 0.2:
         raise AssertionError(f"fp8 vs fp32 TP layers: relative difference {rel}")
+    # The vocabulary-parallel head: this rank's slice of the gathered rows' logits, fp8_linear bit for bit.
+    emb = bmt.nn.VPEmbedding(tp * 32, inf, dtype=torch.float32, fp8=True)
+    bmt.init_parameters(emb)
+    with torch.no_grad():
+        lg = emb(rows(X, tp, r), projection=True)
+        assert_equal("fp8 vocab-parallel projection", lg.reshape(-1, 32), bmt.nn.fp8_linear(X, emb.weight))
+        emb.fp8 = False
+        if torch.equal(emb(rows(X, tp, r), projection=True), lg):
+            raise AssertionError("VPEmbedding(fp8=True): the projection equals the fp32 one (FP8 did not run)")
 
 
 @case
