@@ -110,7 +110,8 @@ Args parse_args(int argc, char** argv) {
   if ((a.offload_grad_bf16 || a.offload_async) && !a.offload)
     throw std::invalid_argument("--offload-grad-bf16 and --offload-async need --offload");
   if (a.fp8 && a.framework != "bmt") throw std::invalid_argument("--fp8 is for --framework bmt");
-  if (a.fp8_head && !a.fp8) throw std::invalid_argument("--fp8-head puts the LM head in FP8 beside the layers; add --fp8");
+  if (a.fp8_head && !a.fp8)
+    throw std::invalid_argument("--fp8-head puts the LM head in FP8 beside the layers; add --fp8");
   if (a.tp < 1 || (a.tp > 1 && a.framework != "bmt")) throw std::invalid_argument("--tp N (>= 1) is for --framework bmt");
   if (a.pp < 1 || (a.pp > 1 && a.framework != "bmt")) throw std::invalid_argument("--pp N (>= 1) is for --framework bmt");
   if (a.micro_batches < 0) throw std::invalid_argument("--micro-batches must be >= 1");

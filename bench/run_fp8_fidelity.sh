@@ -10,8 +10,8 @@
 #            100); default both
 #   FIDELITY_RUNS="bf16 fp8"  the runs of each config, bf16 first (the reference): bf16 or fp8, each followed by
 #            modifiers joined with _: e4m3grad (BMT_FP8_GRAD=e4m3), row (BMT_FP8_SCALING=row), ends
-#            (--fp8-bf16-layers 0,-1), head (--fp8-head), mlp / attn (--fp8-linears), seedN (--seed N: bf16_seed2 is the noise floor, a
-#            bf16 run from another init and data order); e.g. "bf16 fp8 fp8_e4m3grad fp8_row fp8_ends bf16_seed2".
+#            (--fp8-bf16-layers 0,-1), head (--fp8-head), mlp / attn (--fp8-linears), seedN (--seed N:
+#            bf16_seed2 is the noise floor, a bf16 run from another init and data order); e.g. "bf16 fp8 fp8_e4m3grad fp8_row fp8_ends bf16_seed2".
 #            A recipe run with 2+ seeds beside bf16 with 2+ ("bf16 fp8 bf16_seed2 fp8_seed2 bf16_seed3 fp8_seed3")
 #            also gets a verdict on the seed means (the 124M final loss moves by ~0.5-5% with any perturbation)
 #   FIDELITY_STEPS=1000     training steps per run

@@ -1,7 +1,8 @@
 // FP8 linears in the example GPT (ParallelOptions::fp8, train_gpt --fp8): the tiny preset learns on 2 CPU ranks
 // over Gloo with ZeRO-3, with and without activation checkpointing (the recompute repeats the casts), at tp 2 and
 // the tiny Llama with checkpointing (both with the LM head in FP8 too, fp8_head), the loss finite throughout; fp8
-// off is today's model bit for bit and fp8 on changes the layers' GEMMs only within FP8's rounding. On CPU the GEMMs are torch's CPU _scaled_mm and the casts our kernels' CPU twin.
+// off is today's model bit for bit and fp8 on changes the layers' GEMMs only within FP8's rounding. On CPU the
+// GEMMs are torch's CPU _scaled_mm and the casts our kernels' CPU twin.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -323,9 +323,6 @@ TEST(Fp8Linear, ResidualVariantIsTheResidualPlusTheLinear) {
   }
 }
 
-// nn::fp8_cast_grad: the bias gradient (when asked for) is nn::column_sum's and the copies are fp8_cast_as's, for
-// both scalings and with or without the bias (the CUDA variant, whose amax comes from the sum, is checked against
-// the separate ops in tests/cuda/test_fp8_cuda.cpp).
 // A cast with an earlier cast's statistics (the backward's transposed weight): the same bytes as a fresh cast of
 // the same values, sharing the earlier statistics instead of taking new ones; of other values, those statistics
 // applied as they are; per-tensor statistics only.
@@ -352,6 +349,9 @@ TEST(Fp8Cast, KnownScaleCastIsTheCastWithoutItsScalePass) {
                bmt::core::Error);
 }
 
+// nn::fp8_cast_grad: the bias gradient (when asked for) is nn::column_sum's and the copies are fp8_cast_as's, for
+// both scalings and with or without the bias (the CUDA variant, whose amax comes from the sum, is checked against
+// the separate ops in tests/cuda/test_fp8_cuda.cpp).
 TEST(Fp8Linear, GradientCastWithTheBiasGradientEqualsTheSeparateOps) {
   at::manual_seed(31);
   const at::Tensor dy = (at::randn({48, 32}) * 4).to(at::kBFloat16);

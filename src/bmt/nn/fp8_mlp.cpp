@@ -99,7 +99,8 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     if (want_dpre) {
       // d pre = (dy w_proj) * gelu'(pre): GELU's gradient in the GEMM's epilogue (large problems, see
       // kDGeluMinOutputs), else after it
-      const Fp8Tensor w2t = fp8_cast_weight_t(Fp8Scaling::kTensor, w_proj, w2_forward);  // w_proj^T [hidden, out] row-major
+      // w_proj^T [hidden, out] row-major
+      const Fp8Tensor w2t = fp8_cast_weight_t(Fp8Scaling::kTensor, w_proj, w2_forward);
       const bool try_dgelu =
           epilogues && (!pre.is_cuda() || (g_dgelu.enabled() && pre.numel() >= kDGeluMinOutputs));
       at::Tensor dpre = try_dgelu ? at::empty_like(pre) : at::Tensor();
@@ -117,7 +118,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
                                      fp8_scaled_mm(dyq.data, dyq.inv, w2t.data_t, w2t.inv, dtype, false, std::nullopt),
                                      pre, gf, want_dx, want_dw1, want_db1 ? &db1 : nullptr, w_fc.scalar_type());
       if (want_dx) {
-        const Fp8Tensor w1t = fp8_cast_weight_t(Fp8Scaling::kTensor, w_fc, w1_forward);  // w_fc^T [in, hidden] row-major
+        const Fp8Tensor w1t = fp8_cast_weight_t(Fp8Scaling::kTensor, w_fc, w1_forward);  // w_fc^T [in, hidden]
         dx = fp8_scaled_mm(dpq.data, dpq.inv, w1t.data_t, w1t.inv, dtype, false, std::nullopt)
                  .view(ctx->saved_data["x_sizes"].toIntVector());
       }
