@@ -25,7 +25,10 @@
 #                           (BMT_FP8_DGELU_FUSED=0: the FP8 MLP's GELU gradient by torch's gelu_backward, then the
 #                           bias gradient's column sum; variant fp8-separate-dgelu; bmt_fp8_dgelu: =1, variant
 #                           fp8-fused-dgelu); bmt_fp8_head (--fp8-head: the LM head in FP8 too; variant fp8-head),
-#                           bmt_fp8_dgelu_head (both; variant fp8-fused-dgelu-head); bmt_tune and bmt_fp8_tune
+#                           bmt_fp8_dgelu_head (both; variant fp8-fused-dgelu-head); bmt_fp8_delayed
+#                           (BMT_FP8_DELAYED_GELU=1: c_fc's GEMM writes the GELU output in E4M3 with a delayed
+#                           scale; variant fp8-delayed-gelu), bmt_fp8_all (the three: variant
+#                           fp8-fused-dgelu-delayed-gelu-head); bmt_tune and bmt_fp8_tune
 #                           (BMT_GEMM_AUTOTUNE=1: each GEMM shape's cuBLASLt algorithm timed among its candidates;
 #                           variants autotune, fp8-autotune)
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
@@ -153,6 +156,11 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
                         "$BIN" --framework bmt $C --fp8 --fp8-head ;;
         bmt_fp8_dgelu_head) BENCH_VARIANT=fp8-fused-dgelu-head run_one "bmt_fp8_dgelu_head_$cfg" bmt "$CANON" \
                               env BMT_FP8_DGELU_FUSED=1 "$BIN" --framework bmt $C --fp8 --fp8-head ;;
+        # the GELU output written in E4M3 by c_fc's GEMM (delayed scaling), alone and with the two above
+        bmt_fp8_delayed) BENCH_VARIANT=fp8-delayed-gelu run_one "bmt_fp8_delayed_$cfg" bmt "$CANON" \
+                           env BMT_FP8_DELAYED_GELU=1 "$BIN" --framework bmt $C --fp8 ;;
+        bmt_fp8_all) BENCH_VARIANT=fp8-fused-dgelu-delayed-gelu-head run_one "bmt_fp8_all_$cfg" bmt "$CANON" \
+                       env BMT_FP8_DGELU_FUSED=1 BMT_FP8_DELAYED_GELU=1 "$BIN" --framework bmt $C --fp8 --fp8-head ;;
         # cuBLASLt's candidate algorithms timed per GEMM shape (BMT_GEMM_AUTOTUNE=1), bf16 and FP8
         bmt_tune) BENCH_VARIANT=autotune run_one "bmt_tune_$cfg" bmt "$CANON" \
                     env BMT_GEMM_AUTOTUNE=1 "$BIN" --framework bmt $C ;;

@@ -60,7 +60,8 @@ at::Tensor GptMlpImpl::forward(const at::Tensor& x, const at::Tensor& residual, 
   bmt::nn::Linear fc = c_fc.dense(), proj = c_proj.dense();
   if (fc && proj && fc->fp8 && proj->fp8)  // FP8 GEMMs with GELU, its gradient and the residual in epilogues
     return bmt::nn::fp8_gelu_mlp(x, bmt::gathered(fc->weight), bmt::gathered(fc->bias), bmt::gathered(proj->weight),
-                                 bmt::gathered(proj->bias), residual, bmt::nn::fp8_grad_format(), compute_output);
+                                 bmt::gathered(proj->bias), residual, bmt::nn::fp8_grad_format(), compute_output,
+                                 &gelu_scale);
   if (fc && proj && (fc->fp8 || proj->fp8)) {  // one of the two in FP8: separate GELU and residual add
     const at::Tensor h = at::gelu(fc->forward(x), "tanh");
     if (compute_output || !proj->fp8) return residual + proj->forward(h);

@@ -31,6 +31,7 @@
 #pragma once
 
 #include "bmt/engine/block_list.h"
+#include "bmt/nn/fp8_delayed_scale.h"
 #include "bmt/nn/layers.h"
 #include "bmt/nn/planned_layers.h"
 #include "models/language_model.h"
@@ -60,6 +61,8 @@ class GptMlpImpl : public torch::nn::Module {
   // bmt::skip_block_outputs_now()): the fused MLP skips c_proj's GEMM.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& residual, bool compute_output = true);
   bmt::nn::PlannedLinear c_fc, c_proj;
+  // The FP8 MLP's delayed scale of its GELU output (used under BMT_FP8_DELAYED_GELU=1; not in checkpoints).
+  bmt::nn::Fp8DelayedScale gelu_scale;
 };
 TORCH_MODULE(GptMlp);
 

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "bmt/core/error.h"
+#include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_linear_internal.h"
@@ -27,13 +28,29 @@ constexpr Fp8Format kE4M3 = Fp8Format::kE4M3;
 EnvSwitch g_dgelu("BMT_FP8_MLP_DGELU", false);
 EnvSwitch g_gelu("BMT_FP8_MLP_GELU", true);
 
+// h = gelu(x w_fc^T + b_fc) written in E4M3 by c_fc's GEMM with the delayed scale (pre kept in dtype), its
+// transposed copy by a byte transpose when grad; inv: this call's inverse scale (NaN for a non-finite h). An empty
+// Fp8Tensor (inv undefined) where cuBLASLt has no FP8-output algorithm: nothing was written, nothing recorded.
+Fp8Tensor gelu_in_fp8(const Fp8Tensor& xq, const Fp8Tensor& w1q, const at::Tensor& b1, const at::Tensor& pre,
+                      Fp8DelayedScale& scale, bool row_major, bool transposed) {
+  const at::Tensor h8 = at::empty(pre.sizes(), pre.options().dtype(at::kFloat8_e4m3fn));
+  if (!fp8_gemm_epilogue_to_fp8(k::GemmEpilogue::kGeluAuxBias, xq.data, kE4M3, xq.inv, w1q.data, kE4M3, w1q.inv,
+                                /*fast_accum=*/true, h8, scale, b1, pre))
+    return Fp8Tensor();
+  Fp8Tensor hq;
+  hq.inv = scale.record();
+  if (row_major) hq.data = h8;
+  if (transposed) hq.data_t = fp8_transpose(h8);
+  return hq;
+}
+
 struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
   // grad: the backward will run (known outside: grad mode is off in here), so the transposed copies wgrad needs
   // are cast in the same passes; epilogues: try the epilogue GEMMs (CPU: the fp64 twin)
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                             const at::Tensor& w_proj, const at::Tensor& b_proj,
                             const std::optional<at::Tensor>& residual, int64_t grad_format, bool grad,
-                            bool compute_output, bool epilogues) {
+                            bool compute_output, bool epilogues, Fp8DelayedScale* gelu_scale) {
     const int64_t in = w_fc.size(1), hidden = w_fc.size(0), out = w_proj.size(0);
     const at::Tensor x2 = x.contiguous().view({-1, in});
     const int64_t rows = x2.size(0);
@@ -41,15 +58,23 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     const Fp8Tensor xq = fp8_cast(x2, kE4M3, true, grad);
     const Fp8Tensor w1q = fp8_cast(w_fc, kE4M3, true, false);
     const at::Tensor b1 = b_fc.contiguous();
-    at::Tensor pre = at::empty({rows, hidden}, x.options()), h = at::empty_like(pre);
+    at::Tensor pre = at::empty({rows, hidden}, x.options());
     const bool gelu_epilogue = epilogues && (g_gelu.enabled() || !x.is_cuda());
-    if (!(gelu_epilogue && fp8_gemm_epilogue(k::GemmEpilogue::kGeluAuxBias, xq.data, kE4M3, xq.inv, w1q.data, kE4M3,
-                                             w1q.inv, /*fast_accum=*/true, h, b1, pre, at::Tensor()))) {
-      pre = fp8_scaled_mm(xq.data, xq.inv, w1q.data, w1q.inv, dtype, true, b1);
-      h = at::gelu(pre, "tanh");
+    // h in E4M3 from c_fc's GEMM itself (a delayed scale), else in dtype and cast (its amax recorded for the next)
+    const bool delayed = gelu_epilogue && gelu_scale && gelu_scale->ready() &&
+                         gelu_scale->scale().device() == x.device() && gelu_scale->format() == kE4M3;
+    Fp8Tensor hq = delayed ? gelu_in_fp8(xq, w1q, b1, pre, *gelu_scale, compute_output, grad) : Fp8Tensor();
+    if (!hq.inv.defined()) {
+      at::Tensor h = at::empty_like(pre);
+      if (!(gelu_epilogue && fp8_gemm_epilogue(k::GemmEpilogue::kGeluAuxBias, xq.data, kE4M3, xq.inv, w1q.data,
+                                               kE4M3, w1q.inv, /*fast_accum=*/true, h, b1, pre, at::Tensor()))) {
+        pre = fp8_scaled_mm(xq.data, xq.inv, w1q.data, w1q.inv, dtype, true, b1);
+        h = at::gelu(pre, "tanh");
+      }
+      // (compute_output = false, a recompute's tail: only wgrad's transposed copy of h)
+      hq = fp8_cast(h, kE4M3, compute_output, grad);
+      if (gelu_scale && gelu_scale->format() == kE4M3) gelu_scale->record_amax(hq.stats.select(0, k::kFp8Amax));
     }
-    // (compute_output = false, a recompute's tail: only wgrad's transposed copy of h)
-    const Fp8Tensor hq = fp8_cast(h, kE4M3, compute_output, grad);
     at::Tensor y;
     Fp8Tensor w2q;
     if (compute_output) {
@@ -125,7 +150,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
       if (want_dw1) dw1 = fp8_scaled_mm(dpq.data_t, dpq.inv, xt8, x_inv, w_fc.scalar_type(), false, std::nullopt);
     }
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(5)) dres = grads[0];
-    return {dx, dw1, db1, dw2, db2, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw1, db1, dw2, db2, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -138,19 +163,21 @@ bool fused_operands(std::initializer_list<const at::Tensor*> ts, const at::Tenso
 }
 
 at::Tensor apply(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
-                 const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format, bool compute_output) {
+                 const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format, bool compute_output,
+                 Fp8DelayedScale* gelu_scale) {
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || w_fc.requires_grad() ||
                                                    w_proj.requires_grad() || b_fc.requires_grad());
   return Fp8GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
                              residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt,
-                             static_cast<int64_t>(grad_format), grad, compute_output, /*epilogues=*/true);
+                             static_cast<int64_t>(grad_format), grad, compute_output, /*epilogues=*/true,
+                             gelu_scale);
 }
 
 }  // namespace
 
 at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                               const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
-                              Fp8Format grad_format, bool compute_output) {
+                              Fp8Format grad_format, bool compute_output, Fp8DelayedScale* gelu_scale) {
   check_mlp("nn::fp8_gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
   BMT_CHECK(b_fc.defined() && b_proj.defined(), "nn::fp8_gelu_mlp_fused: c_fc and c_proj need biases");
   BMT_CHECK(fused_operands({&w_fc, &b_fc, &w_proj, &b_proj}, x, w_fc, w_proj) &&
@@ -158,19 +185,21 @@ at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const
             "nn::fp8_gelu_mlp_fused: needs operands of one dtype and device and GEMM dimensions that are multiples "
             "of 16 (rows ", x.numel() / std::max<int64_t>(x.size(-1), 1), ", features ", w_fc.size(1), ", ",
             w_fc.size(0), ", ", w_proj.size(0), ")");
-  return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output);
+  return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output, gelu_scale);
 }
 
 at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                         const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format,
-                        bool compute_output) {
+                        bool compute_output, Fp8DelayedScale* gelu_scale) {
   check_mlp("nn::fp8_gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
   // (under autocast the ops inside would run in another dtype than the backward's operands)
   const bool fused = fp8_scaling() == Fp8Scaling::kTensor && gemm_epilogues_enabled() && x.is_cuda() &&
                      !at::autocast::is_autocast_enabled(at::kCUDA) &&
                      fused_operands({&w_fc, &b_fc, &w_proj, &b_proj}, x, w_fc, w_proj) &&
                      (!residual.defined() || fused_operands({&residual}, x, w_fc, w_proj));
-  if (fused) return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output);
+  if (fused)
+    return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output,
+                 fp8_delayed_gelu_enabled() ? gelu_scale : nullptr);
   const Fp8Scaling scaling = fp8_scaling();
   const at::Tensor h = at::gelu(fp8_linear(x, w_fc, b_fc, grad_format, scaling), "tanh");
   const at::Tensor y = fp8_linear(h, w_proj, b_proj, grad_format, scaling, compute_output);

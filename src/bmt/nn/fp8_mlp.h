@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 
+#include "bmt/nn/fp8_delayed_scale.h"
 #include "bmt/nn/fp8_linear.h"
 
 namespace bmt::nn {
@@ -20,12 +21,18 @@ namespace bmt::nn {
 // shapes fp8_linear takes, and gemm_epilogues_enabled(); elsewhere the separate composition (same FP8 casts).
 // compute_output = false (a checkpointed Block's recompute whose output only roots the backward): y is left
 // uncomputed, no c_proj GEMM and no c_proj weight cast; node and gradients are the same.
+// gelu_scale (the caller's, kept across steps; used on the fused path when fp8_delayed_gelu_enabled()): c_fc's GEMM
+// writes h in E4M3 itself with gelu_scale's delayed scale (cuBLASLt's FP8 output, h's amax folded in), and h's
+// transposed copy for wgrad is a byte transpose: no cast reads a bf16 h. Until gelu_scale is ready(), and where
+// cuBLASLt has no such algorithm, h is cast dynamically and its amax recorded.
 at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                         const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format,
-                        bool compute_output = true);
+                        bool compute_output = true, Fp8DelayedScale* gelu_scale = nullptr);
 // The fused autograd function on any device (CPU: the epilogue GEMMs' fp64 twin, slow; for tests). Needs biases.
+// gelu_scale: as fp8_gelu_mlp's, used whatever fp8_delayed_gelu_enabled() says.
 at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                               const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
-                              Fp8Format grad_format, bool compute_output = true);
+                              Fp8Format grad_format, bool compute_output = true,
+                              Fp8DelayedScale* gelu_scale = nullptr);
 
 }  // namespace bmt::nn

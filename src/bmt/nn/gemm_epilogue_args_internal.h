@@ -21,7 +21,9 @@ inline core::kernels::GemmEpilogueArgs gemm_epilogue_args(core::kernels::GemmEpi
   g.b = b.data_ptr();
   g.b_transposed = b_transposed;
   g.out = out.data_ptr();
-  g.dtype = to_core_dtype(out.scalar_type());  // (out's: the operands' too unless they are FP8, GemmEpilogueArgs::fp8)
+  // (out's: the operands' too unless they are FP8, GemmEpilogueArgs::fp8; an FP8 out: the bias's)
+  const bool out_fp8 = out.scalar_type() == at::kFloat8_e4m3fn || out.scalar_type() == at::kFloat8_e5m2;
+  g.dtype = to_core_dtype(out_fp8 && bias.defined() ? bias.scalar_type() : out.scalar_type());
   g.epilogue = e;
   g.bias = bias.defined() ? bias.data_ptr() : nullptr;
   g.aux = aux.defined() ? aux.data_ptr() : nullptr;

@@ -64,4 +64,9 @@ void fp8_cast_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, const
 void fp8_cast_rowwise_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q,
                            float* q_inv, uint8_t* qt, float* qt_inv, uint32_t* workspace, void* stream);
 
+// qt (cols x rows) = the transpose of q (rows x cols, row-major), byte for byte: the transposed copy of FP8 bytes a
+// producer wrote itself (a GEMM's FP8 output), which the wgrad GEMM needs K-major.
+void fp8_transpose_cpu(const uint8_t* q, int64_t rows, int64_t cols, uint8_t* qt);
+void fp8_transpose_cuda(const uint8_t* q, int64_t rows, int64_t cols, uint8_t* qt, void* stream);
+
 }  // namespace bmt::core::kernels

@@ -72,11 +72,12 @@ uint32_t common_alignment(const GemmEpilogueArgs& g) {
 // RAII for the descriptors of one call.
 struct Descriptors {
   cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   cublasLtMatmulPreference_t pref = nullptr;
   ~Descriptors() {
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (d) cublasLtMatrixLayoutDestroy(d);
+    if (c) cublasLtMatrixLayoutDestroy(c);
     if (b) cublasLtMatrixLayoutDestroy(b);
     if (a) cublasLtMatrixLayoutDestroy(a);
     if (op) cublasLtMatmulDescDestroy(op);
@@ -90,10 +91,12 @@ void set_op(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attr, const 
 
 cudaDataType_t fp8_type(Fp8Format f) { return f == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
 
-// -1 without FP8 operands, else the formats and fast accumulation as bits (part of the algorithm's cache key)
+// -1 without FP8 operands, else the formats, fast accumulation and the FP8 output's format as bits (part of the
+// algorithm's cache key)
 int fp8_code(const Fp8GemmOperands* f) {
   if (!f) return -1;
-  return static_cast<int>(f->a_format) * 4 + static_cast<int>(f->b_format) * 2 + (f->fast_accum ? 1 : 0);
+  const int out = f->out_scale ? 1 + static_cast<int>(f->out_format) : 0;
+  return out * 8 + static_cast<int>(f->a_format) * 4 + static_cast<int>(f->b_format) * 2 + (f->fast_accum ? 1 : 0);
 }
 
 // (device, rows, cols, inner, b_transposed, dtype, epilogue, residual?, bias?, alignment, workspace, fp8) -> algorithm
@@ -114,8 +117,10 @@ struct Matmul {
   cudaStream_t stream;
   cublasStatus_t operator()(const cublasLtMatmulAlgo_t& algo) const {
     const float alpha = 1.0f, beta = g->residual ? 1.0f : 0.0f;
-    const void* c = g->residual ? g->residual : g->out;
-    return cublasLtMatmul(handle, desc->op, &alpha, g->b, desc->a, g->a, desc->b, &beta, c, desc->d, g->out, desc->d,
+    // (an FP8 output: C is never read, beta 0, and has the bias's 16-bit type, which cuBLASLt asks of C then)
+    const bool out_fp8 = g->fp8 && g->fp8->out_scale;
+    const void* c = g->residual ? g->residual : (out_fp8 ? nullptr : g->out);
+    return cublasLtMatmul(handle, desc->op, &alpha, g->b, desc->a, g->a, desc->b, &beta, c, desc->c, g->out, desc->d,
                           &algo, workspace, workspace_nbytes, stream);
   }
 };
@@ -191,9 +196,16 @@ bool gemm_epilogue_cuda(const GemmEpilogueArgs& g, void* workspace, size_t works
     set_op(desc.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(f8->a_inv_scale));
     set_op(desc.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(f8->fast_accum ? 1 : 0));
   }
+  const bool out_fp8 = f8 && f8->out_scale;
+  if (out_fp8) {  // D = fp8(scale_D . v), amax_D = max |v|; the bias (and aux) types named: D's type is not theirs
+    set_op(desc.op, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, static_cast<const void*>(f8->out_scale));
+    set_op(desc.op, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, static_cast<void*>(f8->out_amax));
+    if (g.bias) set_op(desc.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, type);
+  }
   if (g.aux) {
     set_op(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(g.aux));
     set_op(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(g.cols));
+    if (out_fp8) set_op(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, type);
   }
   // A' = b: column-major [inner, cols] (ld inner) read transposed, or [cols, inner] (ld cols) as is.
   const cudaDataType_t a_type = f8 ? fp8_type(f8->b_format) : type, b_type = f8 ? fp8_type(f8->a_format) : type;
@@ -202,7 +214,10 @@ bool gemm_epilogue_cuda(const GemmEpilogueArgs& g, void* workspace, size_t works
   else
     BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.a, a_type, g.cols, g.inner, g.cols));
   BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.b, b_type, g.inner, g.rows, g.inner));  // B' = a
-  BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.d, type, g.cols, g.rows, g.cols));    // C' = D' = out
+  // C' = D' = out (an FP8 out: C' the 16-bit type, never read)
+  BMT_CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&desc.c, type, g.cols, g.rows, g.cols));
+  BMT_CUBLASLT_CHECK(
+      cublasLtMatrixLayoutCreate(&desc.d, out_fp8 ? fp8_type(f8->out_format) : type, g.cols, g.rows, g.cols));
 
   const cudaStream_t cuda_stream = static_cast<cudaStream_t>(stream);
   const Matmul run{handle, &desc, &g, workspace, workspace_nbytes, cuda_stream};
@@ -233,7 +248,7 @@ bool gemm_epilogue_cuda(const GemmEpilogueArgs& g, void* workspace, size_t works
       cublasLtMatmulHeuristicResult_t results[kMaxCandidates] = {};
       const int wanted = tune ? std::min(g.autotune_candidates, kMaxCandidates) : 1;
       int returned = 0;
-      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d,
+      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.c, desc.d,
                                                                desc.pref, wanted, results, &returned);
       BMT_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED,
                 "cuBLASLt: cublasLtMatmulAlgoGetHeuristic failed: ", cublasLtGetStatusString(st), " (", g.rows, "x",

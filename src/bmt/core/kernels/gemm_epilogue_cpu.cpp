@@ -1,5 +1,6 @@
 // CPU twin of the fused-epilogue GEMMs (gemm_epilogue_internal.h): plain loops in fp64, the reference the CUDA
 // test compares with, and the shared argument checks. Not fast: the LibTorch layer's CPU path uses torch's ops.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -64,6 +65,12 @@ void check_gemm_epilogue_args(const GemmEpilogueArgs& g, const char* op) {
   BMT_CHECK(!g.residual || g.epilogue == GemmEpilogue::kBias, op, ": a residual is added only with the bias epilogue, not ",
             epi);
   BMT_CHECK(!g.fp8 || (g.fp8->a_inv_scale && g.fp8->b_inv_scale), op, ": FP8 operands without their inverse scales");
+  if (g.fp8 && g.fp8->out_scale) {
+    BMT_CHECK(g.fp8->out_amax, op, ": an FP8 output needs its amax output (out_amax)");
+    BMT_CHECK(!g.residual && (g.epilogue == GemmEpilogue::kBias || g.epilogue == GemmEpilogue::kGeluAuxBias), op,
+              ": an FP8 output takes the bias or gelu_aux_bias epilogue without a residual, not ", epi,
+              g.residual ? " with a residual" : "");
+  }
 }
 
 void gemm_epilogue_cpu(const GemmEpilogueArgs& g) {
@@ -78,6 +85,15 @@ void gemm_epilogue_cpu(const GemmEpilogueArgs& g) {
   const double product_scale =
       g.fp8 ? static_cast<double>(*g.fp8->a_inv_scale) * static_cast<double>(*g.fp8->b_inv_scale) : 1.0;
   std::vector<double> bias_grad(g.epilogue == GemmEpilogue::kDGeluBGrad ? g.cols : 0, 0.0);
+  // FP8 output: the value rounded to fp32 (as a 16-bit output is, through fp32), scaled in fp32, then encoded
+  const bool out_fp8 = g.fp8 && g.fp8->out_scale;
+  float out_amax = 0.0f;
+  auto store_out = [&](int64_t o, double v) {
+    if (!out_fp8) return store(g.out, dt, o, v);
+    const float f = static_cast<float>(v);
+    out_amax = std::isnan(f) || std::isnan(out_amax) ? NAN : std::max(out_amax, std::fabs(f));
+    static_cast<uint8_t*>(g.out)[o] = float_to_fp8(f * *g.fp8->out_scale, g.fp8->out_format);
+  };
   for (int64_t r = 0; r < g.rows; ++r) {
     for (int64_t c = 0; c < g.cols; ++c) {
       double acc = 0.0;
@@ -91,12 +107,12 @@ void gemm_epilogue_cpu(const GemmEpilogueArgs& g) {
         case GemmEpilogue::kBias:
           if (g.bias) acc += load(g.bias, dt, c);
           if (g.residual) acc += load(g.residual, dt, o);
-          store(g.out, dt, o, acc);
+          store_out(o, acc);
           break;
         case GemmEpilogue::kGeluAuxBias:
           acc += load(g.bias, dt, c);
           store(g.aux, dt, o, acc);
-          store(g.out, dt, o, gelu_tanh_d(acc));
+          store_out(o, gelu_tanh_d(acc));
           break;
         case GemmEpilogue::kDGeluBGrad:
         case GemmEpilogue::kDGelu: {
@@ -109,6 +125,7 @@ void gemm_epilogue_cpu(const GemmEpilogueArgs& g) {
     }
   }
   for (int64_t c = 0; c < static_cast<int64_t>(bias_grad.size()); ++c) store(g.bias, dt, c, bias_grad[c]);
+  if (out_fp8) *g.fp8->out_amax = std::isnan(*g.fp8->out_amax) ? NAN : std::max(*g.fp8->out_amax, out_amax);
 }
 
 }  // namespace bmt::core::kernels

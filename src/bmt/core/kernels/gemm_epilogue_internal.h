@@ -37,6 +37,14 @@ struct Fp8GemmOperands {
   const float* a_inv_scale = nullptr;  // one float, in the operands' memory (device for CUDA, host for the twin)
   const float* b_inv_scale = nullptr;
   bool fast_accum = false;  // Hopper's faster, coarser accumulation (forward GEMMs; the twin ignores it)
+  // FP8 output (out_scale set; kBias without a residual, or kGeluAuxBias): out holds out_format bytes,
+  //   out = fp8(saturate(*out_scale * v)),  *out_amax = max |v| over the matrix (before the scale),
+  // v the epilogue's value (gelu(aux) for kGeluAuxBias; aux stays in dtype). The scale is known before the GEMM
+  // (delayed scaling: nn::Fp8DelayedScale), so the producer writes the FP8 bytes the next GEMM reads and no cast
+  // pass reads the bf16 matrix. *out_amax must hold 0 on entry (the CUDA GEMM may fold its tiles' maxima into it).
+  const float* out_scale = nullptr;
+  float* out_amax = nullptr;
+  Fp8Format out_format = Fp8Format::kE4M3;
 };
 
 struct GemmEpilogueArgs {
@@ -44,8 +52,8 @@ struct GemmEpilogueArgs {
   const void* a = nullptr;  // [rows, inner]
   const void* b = nullptr;  // [cols, inner] if b_transposed, else [inner, cols]
   bool b_transposed = true;
-  void* out = nullptr;  // [rows, cols]
-  DType dtype = DType::kBFloat16;  // of every matrix and vector here
+  void* out = nullptr;  // [rows, cols] (FP8 bytes with fp8->out_scale)
+  DType dtype = DType::kBFloat16;  // of every matrix and vector here (but FP8 operands and an FP8 out)
   GemmEpilogue epilogue = GemmEpilogue::kBias;
   void* bias = nullptr;            // [cols]: read (kBias, kGeluAuxBias; may be null for kBias) or written (kDGeluBGrad)
   void* aux = nullptr;             // [rows, cols]: written (kGeluAuxBias) or read (kDGeluBGrad, kDGelu)

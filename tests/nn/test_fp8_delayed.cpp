@@ -1,0 +1,224 @@
+// Delayed FP8 scaling of the MLP's GELU output (nn::Fp8DelayedScale, core/kernels/fp8_delayed_scale) and the pieces
+// it runs on: the epilogue GEMM writing FP8 itself (its CPU twin against the twin's own fp32 output scaled and
+// encoded by float_to_fp8, saturation included), the FP8 byte transpose, the record's closed forms (history window,
+// scale of its maximum, non-finite amaxes kept out and marked by a NaN inverse scale), and nn::fp8_gelu_mlp_fused
+// with a delayed scale against the dynamic cast it replaces: bit for bit in fp32 when the delayed scale is the
+// dynamic one (the same inputs twice), within FP8 rounding when it is not, NaN for a non-finite activation.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <cmath>
+#include <limits>
+
+#include "bmt/core/kernels/fp8_cast_internal.h"
+#include "bmt/core/kernels/gemm_epilogue_internal.h"
+#include "bmt/nn/fp8_delayed_scale.h"
+#include "bmt/nn/fp8_linear_internal.h"
+#include "bmt/nn/fp8_mlp.h"
+
+namespace k = bmt::core::kernels;
+using bmt::nn::Fp8DelayedScale;
+using bmt::nn::Fp8Format;
+
+namespace {
+
+const float kE4M3Max = 448.0f;
+
+at::Tensor bytes(const at::Tensor& q) { return q.contiguous().view(at::kByte); }
+
+struct MlpRun {
+  at::Tensor y, dx, dw1, db1, dw2, db2;
+};
+
+MlpRun run_mlp(const at::Tensor& x0, const at::Tensor& w10, const at::Tensor& b10, const at::Tensor& w20,
+               const at::Tensor& b20, const at::Tensor& g, Fp8DelayedScale* scale) {
+  at::Tensor x = x0.clone().requires_grad_(), w1 = w10.clone().requires_grad_(), b1 = b10.clone().requires_grad_();
+  at::Tensor w2 = w20.clone().requires_grad_(), b2 = b20.clone().requires_grad_();
+  const at::Tensor y =
+      bmt::nn::fp8_gelu_mlp_fused(x, w1, b1, w2, b2, at::Tensor(), Fp8Format::kE5M2, true, scale);
+  y.backward(g);
+  return {y.detach(), x.grad(), w1.grad(), b1.grad(), w2.grad(), b2.grad()};
+}
+
+void expect_same(const MlpRun& a, const MlpRun& b, const char* what) {
+  EXPECT_TRUE(at::equal(a.y, b.y)) << what << ": y";
+  EXPECT_TRUE(at::equal(a.dx, b.dx)) << what << ": dx";
+  EXPECT_TRUE(at::equal(a.dw1, b.dw1)) << what << ": dw_fc";
+  EXPECT_TRUE(at::equal(a.db1, b.db1)) << what << ": db_fc";
+  EXPECT_TRUE(at::equal(a.dw2, b.dw2)) << what << ": dw_proj";
+  EXPECT_TRUE(at::equal(a.db2, b.db2)) << what << ": db_proj";
+}
+
+double rel_diff(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor x = a.to(at::kDouble), y = b.to(at::kDouble);
+  return (x - y).norm().item<double>() / std::max(y.norm().item<double>(), 1e-30);
+}
+
+}  // namespace
+
+TEST(Fp8GemmEpilogueTwin, Fp8OutputIsTheScaledEncodingOfTheOutputAndItsAmax) {
+  at::manual_seed(43);
+  const int64_t rows = 16, inner = 32, cols = 48;
+  const bmt::nn::Fp8Tensor aq = bmt::nn::fp8_cast(at::randn({rows, inner}), Fp8Format::kE4M3, true, false);
+  const bmt::nn::Fp8Tensor wq = bmt::nn::fp8_cast(at::randn({cols, inner}) * 0.2, Fp8Format::kE4M3, true, false);
+  const at::Tensor bias = at::randn({cols});
+  for (const k::GemmEpilogue e : {k::GemmEpilogue::kGeluAuxBias, k::GemmEpilogue::kBias}) {
+    const bool gelu = e == k::GemmEpilogue::kGeluAuxBias;
+    at::Tensor out = at::empty({rows, cols}), aux = gelu ? at::empty({rows, cols}) : at::Tensor();
+    ASSERT_TRUE(bmt::nn::fp8_gemm_epilogue(e, aq.data, Fp8Format::kE4M3, aq.inv, wq.data, Fp8Format::kE4M3, wq.inv,
+                                           false, out, bias, aux, at::Tensor()));
+    const float amax = out.abs().max().item<float>();
+    // a scale that saturates the largest values (> 448 after scaling) and one that does not
+    for (const float scale_factor : {0.5f, 3.0f}) {
+      Fp8DelayedScale state(4);
+      state.record_amax(at::full({}, amax * scale_factor));
+      const float scale = state.scale().item<float>();
+      EXPECT_FLOAT_EQ(scale, kE4M3Max / (amax * scale_factor));
+      at::Tensor out8 = at::empty({rows, cols}, at::kFloat8_e4m3fn), aux8 = gelu ? at::empty({rows, cols}) : at::Tensor();
+      ASSERT_TRUE(bmt::nn::fp8_gemm_epilogue_to_fp8(e, aq.data, Fp8Format::kE4M3, aq.inv, wq.data, Fp8Format::kE4M3,
+                                                    wq.inv, false, out8, state, bias, aux8));
+      const at::Tensor want = out.contiguous();
+      at::Tensor want8 = at::empty({rows * cols}, at::kByte);
+      int64_t saturated = 0;
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        const float v = want.view({-1})[i].item<float>() * scale;
+        want8[i] = static_cast<int64_t>(k::float_to_fp8(v, k::Fp8Format::kE4M3));
+        saturated += std::fabs(v) > kE4M3Max;
+      }
+      EXPECT_TRUE(at::equal(bytes(out8).view({-1}), want8)) << k::gemm_epilogue_name(e) << " x" << scale_factor;
+      EXPECT_EQ(state.amax().item<float>(), amax) << "the amax of the unscaled output";
+      if (gelu) {
+        EXPECT_TRUE(at::equal(aux8, aux)) << "the pre-activation as the 16/32-bit epilogue writes it";
+      }
+      EXPECT_EQ(saturated > 0, scale_factor < 1.0f) << "saturated values: " << saturated;
+      // the record: this call's inverse scale, the next scale from the amax just folded in
+      const float call_inv = state.record().item<float>();
+      EXPECT_FLOAT_EQ(call_inv, 1.0f / scale);
+      EXPECT_FLOAT_EQ(state.scale().item<float>(), kE4M3Max / std::max(amax, amax * scale_factor));
+      EXPECT_EQ(state.amax().item<float>(), 0.0f) << "the record leaves the amax at 0 for the next producer";
+    }
+  }
+}
+
+TEST(Fp8GemmEpilogueTwin, Fp8OutputRefusesAResidualAndTheGradientEpilogues) {
+  const bmt::nn::Fp8Tensor aq = bmt::nn::fp8_cast(at::randn({16, 16}), Fp8Format::kE4M3, true, false);
+  Fp8DelayedScale state(2);
+  state.record_amax(at::ones({}));
+  const at::Tensor out8 = at::empty({16, 16}, at::kFloat8_e4m3fn), bias = at::zeros({16});
+  k::Fp8GemmOperands f8;
+  float inv = 1.0f, scale = 1.0f, amax = 0.0f;
+  f8.a_inv_scale = f8.b_inv_scale = &inv, f8.out_scale = &scale, f8.out_amax = &amax;
+  k::GemmEpilogueArgs g;
+  g.rows = g.cols = g.inner = 16, g.a = g.b = aq.data.data_ptr(), g.out = out8.data_ptr(), g.fp8 = &f8;
+  g.dtype = bmt::core::DType::kFloat32;
+  const at::Tensor res = at::zeros({16, 16});
+  g.residual = res.data_ptr();
+  EXPECT_THROW(k::gemm_epilogue_cpu(g), std::exception);
+  g.residual = nullptr, g.epilogue = k::GemmEpilogue::kDGelu, g.aux = res.data_ptr();
+  try {
+    k::gemm_epilogue_cpu(g);
+    ADD_FAILURE() << "an FP8 output of the dgelu epilogue was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("FP8 output"), std::string::npos) << e.what();
+  }
+  f8.out_amax = nullptr, g.epilogue = k::GemmEpilogue::kBias, g.aux = nullptr;
+  EXPECT_THROW(k::gemm_epilogue_cpu(g), std::exception) << "an FP8 output without its amax";
+  // the nn face: the output's format must be the state's
+  EXPECT_THROW(bmt::nn::fp8_gemm_epilogue_to_fp8(k::GemmEpilogue::kBias, aq.data, Fp8Format::kE4M3, aq.inv, aq.data,
+                                                 Fp8Format::kE4M3, aq.inv, false,
+                                                 at::empty({16, 16}, at::kFloat8_e5m2), state, bias, at::Tensor()),
+               std::exception);
+}
+
+TEST(Fp8Transpose, TwinIsTheTransposeByteForByte) {
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{48, 80}, {7, 13}, {1, 64}, {0, 5}}) {
+    const at::Tensor q = at::randint(0, 256, {rows, cols}, at::kByte).view(at::kFloat8_e4m3fn);
+    const at::Tensor t = bmt::nn::fp8_transpose(q);
+    ASSERT_EQ(t.sizes(), (std::vector<int64_t>{cols, rows}));
+    EXPECT_EQ(t.scalar_type(), at::kFloat8_e4m3fn);
+    EXPECT_TRUE(at::equal(bytes(t), bytes(q).t().contiguous())) << rows << "x" << cols;
+  }
+  EXPECT_THROW(bmt::nn::fp8_transpose(at::zeros({4, 4})), std::exception) << "not float8";
+  EXPECT_THROW(bmt::nn::fp8_transpose(at::zeros({4}, at::kFloat8_e4m3fn)), std::exception) << "not 2-D";
+}
+
+TEST(Fp8DelayedScale, RecordKeepsTheLastAmaxesAndScalesByTheirMaximum) {
+  EXPECT_THROW(Fp8DelayedScale(0), std::exception);
+  Fp8DelayedScale s(3);
+  EXPECT_FALSE(s.ready());
+  EXPECT_THROW(s.scale(), std::exception) << "no scale before the first record";
+  EXPECT_THROW(s.record(), std::exception) << "nothing to record";
+  auto record = [&](float amax) { s.record_amax(at::full({}, amax)); };
+  auto history = [&] { return std::vector<float>(s.history().data_ptr<float>(), s.history().data_ptr<float>() + 3); };
+  record(2.0f);
+  EXPECT_TRUE(s.ready());
+  EXPECT_EQ(history(), (std::vector<float>{2, 0, 0}));
+  EXPECT_FLOAT_EQ(s.scale().item<float>(), kE4M3Max / 2.0f);
+  record(8.0f);
+  record(1.0f);
+  EXPECT_EQ(history(), (std::vector<float>{1, 8, 2}));
+  EXPECT_FLOAT_EQ(s.scale().item<float>(), kE4M3Max / 8.0f) << "the window's maximum";
+  record(1.0f);
+  EXPECT_FLOAT_EQ(s.scale().item<float>(), kE4M3Max / 8.0f);
+  record(1.0f);
+  EXPECT_EQ(history(), (std::vector<float>{1, 1, 1}));
+  EXPECT_FLOAT_EQ(s.scale().item<float>(), kE4M3Max) << "8 left the window of 3";
+  // a producer's non-finite amax: this call's inverse scale is NaN, the history keeps a 0 in its place
+  for (const float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    s.amax().fill_(bad);
+    EXPECT_TRUE(std::isnan(s.record().item<float>())) << bad;
+    EXPECT_EQ(history()[0], 0.0f) << bad;
+    EXPECT_FALSE(std::isnan(s.scale().item<float>())) << "a non-finite amax must not poison the next steps";
+    EXPECT_EQ(s.amax().item<float>(), 0.0f);
+  }
+  // an all-zero window: scale 1
+  Fp8DelayedScale z(1);
+  z.record_amax(at::zeros({}));
+  EXPECT_EQ(z.scale().item<float>(), 1.0f);
+  EXPECT_THROW(z.record_amax(at::zeros({2})), std::exception) << "one amax";
+  EXPECT_THROW(z.record_amax(at::zeros({}, at::kDouble)), std::exception) << "float32";
+}
+
+TEST(Fp8DelayedGelu, MlpWritesTheGeluOutputInFp8WithTheDelayedScale) {
+  at::manual_seed(47);
+  const int64_t rows = 32, dim = 32, hidden = 64;
+  const at::Tensor x = at::randn({rows, dim}), w1 = at::randn({hidden, dim}) * 0.2, b1 = at::randn({hidden}) * 0.1;
+  const at::Tensor w2 = at::randn({dim, hidden}) * 0.1, b2 = at::randn({dim}) * 0.1, g = at::randn({rows, dim});
+  const MlpRun dynamic = run_mlp(x, w1, b1, w2, b2, g, nullptr);
+  Fp8DelayedScale s(4);
+  // first call: nothing recorded yet, so the dynamic cast, whose amax is recorded
+  expect_same(run_mlp(x, w1, b1, w2, b2, g, &s), dynamic, "first call (dynamic)");
+  ASSERT_TRUE(s.ready());
+  const float amax1 = s.history()[0].item<float>();
+  EXPECT_GT(amax1, 0.0f);
+  // (the forward and the backward each record once per call; the backward does not run the forward again)
+  // second call, same inputs: the delayed scale is the dynamic one, so in fp32 the FP8 GEMM's own h bytes and the
+  // transposed copy are the dynamic cast's, bit for bit
+  expect_same(run_mlp(x, w1, b1, w2, b2, g, &s), dynamic, "second call (delayed, the same scale)");
+  EXPECT_EQ(s.history()[0].item<float>(), amax1) << "the GEMM's amax of h is the dynamic cast's";
+  EXPECT_EQ(s.history()[1].item<float>(), amax1);
+  // smaller inputs: the delayed scale (of the window's larger amax) is no longer h's own; within FP8 rounding of the
+  // dynamic path, and not equal to it
+  const at::Tensor xs = x * 0.25;
+  const MlpRun dyn_small = run_mlp(xs, w1, b1, w2, b2, g, nullptr);
+  const MlpRun del_small = run_mlp(xs, w1, b1, w2, b2, g, &s);
+  EXPECT_FALSE(at::equal(del_small.y, dyn_small.y)) << "another scale gives other bytes";
+  EXPECT_LT(rel_diff(del_small.y, dyn_small.y), 0.08);
+  EXPECT_LT(rel_diff(del_small.dw2, dyn_small.dw2), 0.08);
+  EXPECT_LT(rel_diff(del_small.dx, dyn_small.dx), 0.12);
+  const float amax_small = s.history()[0].item<float>();
+  EXPECT_LT(amax_small, amax1);
+  EXPECT_FLOAT_EQ(s.scale().item<float>(), kE4M3Max / amax1) << "the window still holds the larger amax";
+  // an inf pre-activation (c_fc's bias): h's bytes would saturate to finite values, so the NaN inverse scale must
+  // make the output NaN (the step is skipped), as the dynamic cast's NaN scale does
+  at::Tensor bi = b1.clone();
+  bi[5] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(run_mlp(x, w1, bi, w2, b2, g, nullptr).y.isnan().all().item<bool>()) << "dynamic: every output NaN";
+  const MlpRun bad = run_mlp(x, w1, bi, w2, b2, g, &s);
+  EXPECT_TRUE(bad.y.isnan().all().item<bool>()) << "delayed: every output NaN";
+  EXPECT_EQ(s.history()[0].item<float>(), 0.0f) << "the non-finite amax is not kept";
+  // the window (newest first: 0, the small amax, amax1, amax1) has amax1 for its maximum: the dynamic scale again
+  expect_same(run_mlp(x, w1, b1, w2, b2, g, &s), dynamic, "after the skipped step");
+}
