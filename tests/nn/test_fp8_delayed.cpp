@@ -14,7 +14,7 @@
 
 #include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
-#include "bmt/nn/fp8_delayed_scale.h"
+#include "bmt/nn/fp8_delayed_scale_internal.h"
 #include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fp8_mlp.h"
 

@@ -171,53 +171,6 @@ bool fp8_gemm_epilogue(k::GemmEpilogue epilogue, const at::Tensor& a, Fp8Format 
   return run_gemm_epilogue(g, out);
 }
 
-bool fp8_gemm_epilogue_to_fp8(k::GemmEpilogue epilogue, const at::Tensor& a, Fp8Format a_format,
-                              const at::Tensor& a_inv, const at::Tensor& b, Fp8Format b_format,
-                              const at::Tensor& b_inv, bool fast_accum, const at::Tensor& out8,
-                              Fp8DelayedScale& state, const at::Tensor& bias, const at::Tensor& aux) {
-  BMT_CHECK(a.dim() == 2 && b.dim() == 2 && out8.dim() == 2 && a.size(1) == b.size(1) && out8.size(0) == a.size(0) &&
-                out8.size(1) == b.size(0),
-            "nn::fp8_gemm_epilogue_to_fp8: operands ", a.sizes(), " x ", b.sizes(), "^T do not make the output ",
-            out8.sizes());
-  BMT_CHECK(a_inv.dim() == 0 && b_inv.dim() == 0, "nn::fp8_gemm_epilogue_to_fp8: per-tensor scales only");
-  BMT_CHECK(out8.scalar_type() == fp8_dtype(state.format()), "nn::fp8_gemm_epilogue_to_fp8: the output is ",
-            out8.scalar_type(), ", the delayed scale's format ", fp8_dtype(state.format()));
-  BMT_CHECK(bias.defined(), "nn::fp8_gemm_epilogue_to_fp8: needs the bias (its dtype is the epilogue's)");
-  const at::Tensor& scale = state.scale();
-  BMT_CHECK(scale.device() == out8.device(), "nn::fp8_gemm_epilogue_to_fp8: the delayed scale is on ", scale.device(),
-            ", the output on ", out8.device());
-  k::Fp8GemmOperands f8;
-  f8.a_format = core_format(a_format), f8.b_format = core_format(b_format);
-  f8.a_inv_scale = a_inv.data_ptr<float>(), f8.b_inv_scale = b_inv.data_ptr<float>();
-  f8.fast_accum = fast_accum;
-  f8.out_scale = scale.data_ptr<float>();
-  f8.out_amax = state.amax().data_ptr<float>();
-  f8.out_format = core_format(state.format());
-  k::GemmEpilogueArgs g = gemm_epilogue_args(epilogue, a, b, /*b_transposed=*/true, out8, bias, aux, at::Tensor());
-  g.fp8 = &f8;
-  return run_gemm_epilogue(g, bias);
-}
-
-at::Tensor fp8_transpose(const at::Tensor& q) {
-  BMT_CHECK(q.dim() == 2 && (q.scalar_type() == at::kFloat8_e4m3fn || q.scalar_type() == at::kFloat8_e5m2),
-            "nn::fp8_transpose: expected a 2-D float8 tensor, got ", q.sizes(), " ", q.scalar_type());
-  const at::Tensor m = q.contiguous();
-  at::Tensor t = at::empty({m.size(1), m.size(0)}, m.options());
-  const auto* src = static_cast<const uint8_t*>(m.data_ptr());
-  auto* dst = static_cast<uint8_t*>(t.data_ptr());
-  if (!m.is_cuda()) {
-    k::fp8_transpose_cpu(src, m.size(0), m.size(1), dst);
-    return t;
-  }
-#ifdef BMT_WITH_CUDA
-  c10::cuda::CUDAGuard guard(m.device());
-  k::fp8_transpose_cuda(src, m.size(0), m.size(1), dst, current_stream_handle(m));
-  return t;
-#else
-  BMT_ERROR("nn::fp8_transpose: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
-#endif
-}
-
 Fp8Tensor fp8_cast_as(Fp8Scaling scaling, const at::Tensor& m, Fp8Format format, bool row_major, bool transposed) {
   return scaling == Fp8Scaling::kRow ? fp8_cast_rowwise(m, Fp8Format::kE4M3, row_major, transposed)
                                      : fp8_cast(m, format, row_major, transposed);

@@ -7,6 +7,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
+#include "bmt/nn/fp8_delayed_scale_internal.h"
 #include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_linear_internal.h"
