@@ -163,7 +163,8 @@ TEST(Fp8GeluMlpCuda, DelayedGeluMatchesTheDynamicCast) {
   const auto first = run(&s);
   ASSERT_TRUE(s.ready());
   EXPECT_TRUE(s.history().is_cuda());
-  for (size_t i = 0; i < dynamic.size(); ++i) EXPECT_TRUE(at::equal(first[i], dynamic[i])) << "first call, " << i;
+  // (the same path twice: equal up to any reduction whose order a GPU does not fix)
+  for (size_t i = 0; i < dynamic.size(); ++i) EXPECT_LT(rel(first[i], dynamic[i]), 1e-6) << "first call, " << i;
   const float amax1 = s.history()[0].item<float>();
   for (int call = 0; call < 3; ++call) {
     const auto delayed = run(&s);
