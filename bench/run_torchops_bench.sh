@@ -23,8 +23,8 @@
 #                           and bmt_fp8_sepamax (BMT_FP8_AMAX_FROM_SUM=0: each gradient's amax by its own pass, not
 #                           taken by its bias gradient's column sum; variant fp8-separate-amax), bmt_fp8_sepdgelu
 #                           (BMT_FP8_DGELU_FUSED=0: the FP8 MLP's GELU gradient by torch's gelu_backward, then the
-#                           bias gradient's column sum; variant fp8-separate-dgelu; bmt_fp8_dgelu: =1, variant
-#                           fp8-fused-dgelu); bmt_fp8_head (--fp8-head: the LM head in FP8 too; variant fp8-head),
+#                           bias gradient's column sum; variant fp8-separate-dgelu; bmt_fp8_dgelu: =1, the default
+#                           since session 25, variant fp8-fused-dgelu); bmt_fp8_head (--fp8-head: the LM head in FP8 too; variant fp8-head),
 #                           bmt_fp8_dgelu_head (both; variant fp8-fused-dgelu-head); bmt_fp8_delayed
 #                           (BMT_FP8_DELAYED_GELU=1: c_fc's GEMM writes the GELU output in E4M3 with a delayed
 #                           scale; variant fp8-delayed-gelu), bmt_fp8_all (the three: variant

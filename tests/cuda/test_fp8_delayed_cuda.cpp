@@ -96,6 +96,8 @@ TEST(Fp8GemmEpilogueCuda, Fp8OutputMatchesTheCpuTwin) {
     const bmt::nn::Fp8Tensor wq =
         bmt::nn::fp8_cast(at::randn({s.cols, s.inner}) * 0.05, Fp8Format::kE4M3, true, false);
     const at::Tensor bias = (at::randn({s.cols}) * 0.1).to(at::kBFloat16);
+    const at::Tensor abs_product = (aq.data.to(at::kDouble).abs() * aq.inv.item<double>())
+                                       .mm((wq.data.to(at::kDouble).abs() * wq.inv.item<double>()).t());
     for (const k::GemmEpilogue e : {k::GemmEpilogue::kGeluAuxBias, k::GemmEpilogue::kBias}) {
       const bool gelu = e == k::GemmEpilogue::kGeluAuxBias;
       for (const bool fast : {true, false}) {
@@ -114,11 +116,14 @@ TEST(Fp8GemmEpilogueCuda, Fp8OutputMatchesTheCpuTwin) {
             got, sg, bias.cuda(), aux_g);
         ASSERT_TRUE(ran) << tag << ": cuBLASLt has no algorithm for an FP8 output (BMT_FP8_DELAYED_GELU cannot help)";
         // values: one E4M3 rounding apart (2^-3 relative at most for normals; the smallest subnormal step 2^-9 / scale
-        // absolute), plus the accumulation's difference (fp32 vs fp64; fast accumulation ~2^-14 per addition)
+        // absolute), plus the accumulations' difference, bounded per element by sum_k |a||b|: fast accumulation
+        // ~2^-14 per addition; without it cuBLASLt splits K at small shapes and rounds the partial sums to bf16 (the H100
+        // of session 25: 4e-4 at outputs near zero at 256x256x1024, several FP8 steps there), two roundings of 2^-9
         const float scale = 448.0f / 3.0f;
         const at::Tensor g = got.cpu().to(at::kDouble) / scale, w = want.to(at::kDouble) / scale;
         const at::Tensor err = (g - w).abs();
-        const double acc_bound = fast ? static_cast<double>(s.inner) * std::ldexp(1.0, -14) * 3.0 : 1e-4;
+        const at::Tensor acc_bound =
+            abs_product * (fast ? static_cast<double>(s.inner) * std::ldexp(1.0, -14) : std::ldexp(1.0, -8));
         const at::Tensor allowed = at::maximum(g.abs(), w.abs()) * 0.125 + std::ldexp(1.0, -9) / scale + acc_bound;
         const at::Tensor bad = (err > allowed).nonzero();
         EXPECT_EQ(bad.size(0), 0) << tag << ": max error " << err.max().item<double>() << " at magnitude "
@@ -133,7 +138,8 @@ TEST(Fp8GemmEpilogueCuda, Fp8OutputMatchesTheCpuTwin) {
         const double same = bytes(got).cpu().eq(bytes(want)).to(at::kDouble).mean().item<double>();
         EXPECT_GT(same, 0.9) << tag << ": share of identical bytes";
         const float amax_c = sc.amax().item<float>(), amax_g = sg.amax().item<float>();
-        EXPECT_NEAR(amax_g, amax_c, amax_c * 1e-2 + acc_bound) << tag << ": the amax of the unscaled output";
+        const double amax_slack = fast ? static_cast<double>(s.inner) * std::ldexp(1.0, -14) * 3.0 : 1e-3;
+        EXPECT_NEAR(amax_g, amax_c, amax_c * 1e-2 + amax_slack) << tag << ": the amax of the unscaled output";
         if (gelu) {
           EXPECT_LT(rel(aux_g, aux_c), 1e-2) << tag << ": the pre-activation";
         }

@@ -71,8 +71,7 @@ Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_
 Fp8Format fp8_grad_format();
 void set_fp8_grad_format(Fp8Format format);
 // The FP8 MLP's GELU gradient, c_fc's bias gradient and d pre's amax in one kernel (docs/design.md, "FP8 linears"):
-// BMT_FP8_DGELU_FUSED=1 | 0 (the default: torch's gelu_backward, then the column sum), or set here. Off until the
-// kernel has run on a GPU (its CPU twin is tested; its CUDA tests are written, not yet run).
+// BMT_FP8_DGELU_FUSED=1 (the default) | 0 (torch's gelu_backward, then the column sum), or set here.
 bool fp8_dgelu_fused_enabled();
 void set_fp8_dgelu_fused_enabled(bool enabled);
 // The default scaling of nn::Linear's FP8 path: BMT_FP8_SCALING=tensor (default) | row, or set here.
