@@ -22,20 +22,14 @@
 #include "bmt/nn/fused_reductions.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 #include "fp8_reference.h"
+#include "fp8_cuda_device.h"
 
 namespace k = bmt::core::kernels;
 
 namespace {
 
-void* stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
-bool fp8_gemm_device() {
-  if (!torch::cuda::is_available()) return false;
-  int major = 0, minor = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
-  return major * 10 + minor >= 89;
-}
+using fp8_cuda_test::fp8_gemm_device;
+using fp8_cuda_test::stream;
 
 // The device statistics {amax, scale, inv_scale} and the inverse scale's own copy against the CPU twin's (a NaN
 // equals a NaN).

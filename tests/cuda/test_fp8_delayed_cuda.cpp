@@ -18,6 +18,7 @@
 #include "bmt/nn/fp8_delayed_scale_internal.h"
 #include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fp8_mlp.h"
+#include "fp8_cuda_device.h"
 
 namespace k = bmt::core::kernels;
 using bmt::nn::Fp8DelayedScale;
@@ -25,15 +26,8 @@ using bmt::nn::Fp8Format;
 
 namespace {
 
-void* stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
-bool fp8_gemm_device() {
-  if (!torch::cuda::is_available()) return false;
-  int major = 0, minor = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
-  return major * 10 + minor >= 89;
-}
+using fp8_cuda_test::fp8_gemm_device;
+using fp8_cuda_test::stream;
 
 at::Tensor bytes(const at::Tensor& q) { return q.contiguous().view(at::kByte); }
 

@@ -4,6 +4,7 @@
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/core/kernels/fp8_delayed_scale_internal.h"
+#include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
 #include "bmt/runtime/env_switch_internal.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
@@ -18,10 +19,6 @@ namespace {
 namespace k = core::kernels;
 
 EnvSwitch g_delayed_gelu("BMT_FP8_DELAYED_GELU", false);
-
-k::Fp8Format core_format(Fp8Format f) { return f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2; }
-
-at::ScalarType fp8_dtype(Fp8Format f) { return f == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2; }
 
 }  // namespace
 

@@ -36,10 +36,6 @@ EnvSwitch g_amax_from_sum("BMT_FP8_AMAX_FROM_SUM", true);
 EnvSwitch g_dgelu_fused("BMT_FP8_DGELU_FUSED", true);
 EnvChoice<Fp8Scaling, 2> g_scaling("BMT_FP8_SCALING", {{{"tensor", Fp8Scaling::kTensor}, {"row", Fp8Scaling::kRow}}});
 
-k::Fp8Format core_format(Fp8Format f) { return f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2; }
-
-at::ScalarType fp8_dtype(Fp8Format f) { return f == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2; }
-
 bool supported_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
@@ -118,6 +114,10 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
 };
 
 }  // namespace
+
+k::Fp8Format core_format(Fp8Format f) { return f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2; }
+
+at::ScalarType fp8_dtype(Fp8Format f) { return f == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2; }
 
 // a [m, k] row-major x b [n, k] row-major (= the column-major [k, n] operand _scaled_mm wants), dequantised by the
 // operands' inverse scales (0-dim: per tensor; [m] and [n]: per row), into out_dtype. Fast accumulation only in the
