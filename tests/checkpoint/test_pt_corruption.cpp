@@ -14,6 +14,7 @@
 #include "bmt/checkpoint/file_io.h"
 #include "bmt/checkpoint/state_slices.h"
 #include "bmt/checkpoint/tensor_file.h"
+#include "bmt/checkpoint/zip_directory_internal.h"
 #include "bmt/core/error.h"
 
 using namespace bmt::checkpoint;
@@ -202,6 +203,75 @@ TEST(PtCorruption, AFlippedDataByteIsReportedAsACrcMismatch) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("x.pt: record data/0 fails its CRC-32 check"), std::string::npos) << msg;
     EXPECT_NE(msg.find("corrupted"), std::string::npos) << msg;
+  }
+  remove_tree(dir);
+}
+
+namespace {
+
+// Offsets of the central directory entries (signature PK\1\2) in a zip's bytes, with each entry's name.
+std::vector<std::pair<size_t, std::string>> directory_entries(const std::string& b) {
+  std::vector<std::pair<size_t, std::string>> out;
+  auto u16 = [&](size_t at) { return static_cast<size_t>(static_cast<uint8_t>(b[at]) | static_cast<uint8_t>(b[at + 1]) << 8); };
+  for (size_t at = b.find("PK\x01\x02"); at != std::string::npos; at = b.find("PK\x01\x02", at + 4))
+    out.emplace_back(at, b.substr(at + 46, u16(at + 28)));
+  return out;
+}
+
+void put_u32(std::string& b, size_t at, uint32_t v) {
+  for (int i = 0; i < 4; ++i) b[at + i] = static_cast<char>(v >> (8 * i) & 0xFF);
+}
+
+}  // namespace
+
+// torch's zip reader allocates a record's claimed uncompressed size before extracting it: a damaged directory
+// entry must be refused by our own directory check first, naming the entry (the libFuzzer target found a 2 KiB
+// file whose entry claimed 4 GiB - 1 through the zip64 marker).
+TEST(PtCorruption, ADirectoryEntryClaimingMoreThanTheFileIsRefusedBeforeTorchAllocatesIt) {
+  const std::string dir = temp_dir();
+  const std::string path = dir + "/x.pt";
+  const auto seeds = seed_files(dir);
+  for (const auto& [name, original] : seeds) {
+    {
+      write_bytes(path, original);
+      bmt::checkpoint::InFile f(path);
+      const auto entries = bmt::checkpoint::detail::read_zip_directory(f);
+      const auto found = directory_entries(original);
+      ASSERT_EQ(entries.size(), found.size()) << name;
+      for (size_t i = 0; i < entries.size(); ++i) {
+        EXPECT_EQ(entries[i].name, found[i].second) << name;
+        EXPECT_EQ(entries[i].method, 0) << name << " " << entries[i].name;  // torch.save stores, never deflates
+        EXPECT_EQ(entries[i].compressed_nbytes, entries[i].uncompressed_nbytes) << name << " " << entries[i].name;
+        EXPECT_LE(entries[i].local_header_offset + 30 + entries[i].compressed_nbytes, f.size_nbytes()) << name;
+      }
+    }
+    struct Damage {
+      size_t field;  // offset inside the directory entry
+      uint32_t value;
+      const char* expect;
+    };
+    const Damage damages[] = {{24, 0xFFFFFFFFu, "zip64 size marker without a zip64 extra field"},
+                              {24, 0x7FFFFFF0u, "the sizes disagree"},
+                              {20, 0x7FFFFFF0u, "past the end of the"},
+                              {42, 0x7FFFFFF0u, "past the end of the"}};
+    for (const auto& [at, entry] : directory_entries(original)) {
+      for (const Damage& d : damages) {
+        std::string b = original;
+        put_u32(b, at + d.field, d.value);
+        write_bytes(path, b);
+        const std::string label = name + " entry " + entry + " field " + std::to_string(d.field);
+        try {
+          (void)open_tensor_file(path);
+          ADD_FAILURE() << label << ": opened";
+        } catch (const bmt::core::InternalError& e) {
+          ADD_FAILURE() << label << ": InternalError " << e.what();
+        } catch (const bmt::core::Error& e) {
+          const std::string msg = e.what();
+          EXPECT_NE(msg.find(path + ": zip entry " + entry), std::string::npos) << label << ": " << msg;
+          EXPECT_NE(msg.find(d.expect), std::string::npos) << label << ": " << msg;
+        }
+      }
+    }
   }
   remove_tree(dir);
 }

@@ -11,6 +11,7 @@
 #include "bmt/checkpoint/file_io.h"
 #include "bmt/checkpoint/pt_pickle_internal.h"
 #include "bmt/checkpoint/tensor_file.h"
+#include "bmt/checkpoint/zip_directory_internal.h"
 #include "bmt/core/error.h"
 
 namespace bmt::checkpoint::detail {
@@ -229,6 +230,8 @@ class PtReader final : public TensorFileReader {
  public:
   explicit PtReader(const std::string& path) : path_(path), file_(path) {
     try {
+      // Bounds every record's claimed size by the file's before torch's reader allocates it.
+      read_zip_directory(file_);
       caffe2::serialize::PyTorchStreamReader zip(path);
       BMT_CHECK(zip.hasRecord("data.pkl"), path, ": not a torch.save archive (no data.pkl)");
       // torch's zip reader checks no CRC: a flipped byte in the pickle could rename or reshape a tensor.
