@@ -2,6 +2,7 @@
 // causal_attention, fp8_linear, fp8_linear_residual, fp8_gelu_mlp), so Python's bmt.nn layers and the routed torch ops (torch_ops.py) get the same kernels.
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <optional>
 
 #include "bmt/core/error.h"
@@ -93,15 +94,61 @@ void bind_nn(py::module_& m) {
       },
       py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("grad_format") = py::none(),
       py::arg("scaling") = py::none(), py::call_guard<py::gil_scoped_release>());
+  // The delayed scale of the FP8 MLP's GELU output (nn/fp8_delayed_scale.h): the caller keeps one per MLP across
+  // steps and passes it to fp8_gelu_mlp (used on its fused CUDA path when fp8_delayed_gelu() is on).
+  using DelayedScale = bmt::nn::Fp8DelayedScale;
+  py::class_<DelayedScale, std::shared_ptr<DelayedScale>>(
+      nn, "Fp8DelayedScale",
+      "Fp8DelayedScale(history_len=16, format='e4m3'): the delayed scale of one tensor an FP8 GEMM writes: fp8 max "
+      "/ the largest amax of its last history_len calls (a non-finite amax makes that call's outputs NaN, so the step "
+      "is skipped, and stays out of the window). ready once a call has recorded an amax; scale (0-dim float32); "
+      "history (the amaxes, newest first); record_amax(amax) records a 0-dim float32 amax as a producer would. Not "
+      "in checkpoints: a loaded model starts from a dynamic cast. Not in BMTrain.")
+      .def(py::init([](int64_t history_len, const std::string& format) {
+             BMT_CHECK(format == "e4m3" || format == "e5m2", "Fp8DelayedScale: format ", format,
+                       " is not 'e4m3' or 'e5m2'");
+             return std::make_shared<DelayedScale>(
+                 history_len, format == "e4m3" ? bmt::nn::Fp8Format::kE4M3 : bmt::nn::Fp8Format::kE5M2);
+           }),
+           py::arg("history_len") = 16, py::arg("format") = "e4m3")
+      .def_property_readonly("ready", &DelayedScale::ready)
+      .def_property_readonly("history_len", &DelayedScale::history_len)
+      .def_property_readonly("format",
+                             [](const DelayedScale& s) {
+                               return std::string(s.format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2");
+                             })
+      .def_property_readonly("scale", &DelayedScale::scale)
+      .def_property_readonly("history",
+                             [](const DelayedScale& s) -> std::optional<at::Tensor> {
+                               if (!s.history().defined()) return std::nullopt;
+                               return s.history();
+                             })
+      .def("record_amax", &DelayedScale::record_amax, py::arg("amax"));
+  nn.def("fp8_delayed_gelu", &bmt::nn::fp8_delayed_gelu_enabled);
+  nn.def("set_fp8_delayed_gelu", &bmt::nn::set_fp8_delayed_gelu_enabled, py::arg("enabled"));
   nn.def(
       "fp8_gelu_mlp",
       [opt, grad_format](const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                          const at::Tensor& b_proj, const std::optional<at::Tensor>& residual,
-                         const std::optional<std::string>& grad) {
-        return bmt::nn::fp8_gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, opt(residual), grad_format(grad));
+                         const std::optional<std::string>& grad, DelayedScale* gelu_scale) {
+        return bmt::nn::fp8_gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, opt(residual), grad_format(grad),
+                                     /*compute_output=*/true, gelu_scale);
       },
       py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
-      py::arg("residual") = py::none(), py::arg("grad_format") = py::none(), py::call_guard<py::gil_scoped_release>());
+      py::arg("residual") = py::none(), py::arg("grad_format") = py::none(), py::arg("gelu_scale") = py::none(),
+      py::call_guard<py::gil_scoped_release>());
+  // The fused function on any device, whatever the switches say (CPU: the epilogue GEMMs' fp64 twin; for tests).
+  nn.def(
+      "fp8_gelu_mlp_fused",
+      [opt, grad_format](const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
+                         const at::Tensor& b_proj, const std::optional<at::Tensor>& residual,
+                         const std::optional<std::string>& grad, DelayedScale* gelu_scale) {
+        return bmt::nn::fp8_gelu_mlp_fused(x, w_fc, b_fc, w_proj, b_proj, opt(residual), grad_format(grad),
+                                           /*compute_output=*/true, gelu_scale);
+      },
+      py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
+      py::arg("residual") = py::none(), py::arg("grad_format") = py::none(), py::arg("gelu_scale") = py::none(),
+      py::call_guard<py::gil_scoped_release>());
   nn.def("fp8_linear_applies", &bmt::nn::fp8_linear_applies, py::arg("input"), py::arg("weight"));
   nn.def("fp8_grad_format",
          [] { return std::string(bmt::nn::fp8_grad_format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2"); });

@@ -45,12 +45,28 @@ def fp8_linear_residual(input, weight, bias, residual, grad_format=None, scaling
     return _nn.fp8_linear_residual(input, weight, bias, residual, grad_format, scaling)
 
 
-def fp8_gelu_mlp(input, w_fc, b_fc, w_proj, b_proj, residual=None, grad_format=None):
+def fp8_gelu_mlp(input, w_fc, b_fc, w_proj, b_proj, residual=None, grad_format=None, gelu_scale=None):
     """[residual +] gelu_tanh(input w_fcᵀ + b_fc) w_projᵀ + b_proj with FP8 GEMMs (fp8_linear's numerics, per-tensor
     scales), c_fc's bias and GELU and c_proj's bias and residual in the FP8 GEMMs' epilogues on CUDA
-    (nn::fp8_gelu_mlp); elsewhere, or with rowwise scales, the same from fp8_linear, gelu and fp8_linear. Not in
+    (nn::fp8_gelu_mlp); elsewhere, or with rowwise scales, the same from fp8_linear, gelu and fp8_linear.
+    gelu_scale: an Fp8DelayedScale the caller keeps for this MLP across steps; with set_fp8_delayed_gelu(True)
+    (or BMT_FP8_DELAYED_GELU=1) the fused CUDA path has c_fc's GEMM write the GELU output in E4M3 with the scale
+    from the amaxes of its last history_len calls (one cast pass fewer; a value above that range saturates). Not in
     BMTrain."""
-    return _nn.fp8_gelu_mlp(input, w_fc, b_fc, w_proj, b_proj, residual, grad_format)
+    return _nn.fp8_gelu_mlp(input, w_fc, b_fc, w_proj, b_proj, residual, grad_format, gelu_scale)
+
+
+Fp8DelayedScale = _nn.Fp8DelayedScale
+
+
+def fp8_delayed_gelu():
+    """Whether fp8_gelu_mlp uses a given gelu_scale (BMT_FP8_DELAYED_GELU, default off). Not in BMTrain."""
+    return _nn.fp8_delayed_gelu()
+
+
+def set_fp8_delayed_gelu(enabled):
+    """Switches fp8_gelu_mlp's delayed GELU-output scaling (and the C++ GPT's) for this process. Not in BMTrain."""
+    _nn.set_fp8_delayed_gelu(bool(enabled))
 
 
 def _dtype(dtype):

@@ -299,5 +299,79 @@ def fp8_recompute_tail_skips_the_last_gemm():
         assert_equal(f"value {i} with the tail skipped", b, a)
 
 
+
+@case
+def fp8_delayed_gelu_scale_from_python():
+    """bmt.nn.Fp8DelayedScale: scale = fp8 max / the largest amax of the last history_len records (closed forms; a
+    NaN amax stays out of the window). The fused FP8 MLP given one (bmtrain._C.nn.fp8_gelu_mlp_fused, any device):
+    the first call casts h dynamically and records its amax (output and gradients bit for bit the call without a
+    scale on CPU); the next call with the same operands has c_fc's GEMM write h in E4M3 with that scale, the one the
+    dynamic cast computes (bit for bit again on CPU); with the input halved the delayed scale is not the dynamic one:
+    within FP8 rounding, not equal. bmt.nn.fp8_gelu_mlp uses it only with set_fp8_delayed_gelu(True) on CUDA."""
+    fmax = torch.finfo(E4M3).max
+    s = bmt.nn.Fp8DelayedScale(history_len=2)
+    if s.ready or s.history is not None or s.history_len != 2 or s.format != "e4m3":
+        raise AssertionError(f"a new scale: ready {s.ready}, history {s.history}, {s.history_len}, {s.format}")
+    expect_raises("the scale before any record", (RuntimeError, ValueError), lambda: s.scale,
+                  must_mention=("before the first record",))
+    expect_raises("an unknown format", (RuntimeError, ValueError), lambda: bmt.nn.Fp8DelayedScale(4, "e3m4"),
+                  must_mention=("e3m4", "'e4m3' or 'e5m2'"))
+    for amax, window_max in ((2.0, 2.0), (8.0, 8.0), (4.0, 8.0), (1.0, 4.0), (float("nan"), 1.0)):
+        s.record_amax(torch.tensor(amax, device=device()))
+        want = (torch.tensor(fmax, dtype=torch.float32) / torch.tensor(window_max, dtype=torch.float32)).item()
+        if not s.ready or s.scale.item() != want:
+            raise AssertionError(f"after amax {amax}: scale {s.scale.item()}, want {fmax} / {window_max} = {want}")
+    assert_equal("the window, newest first (the NaN kept out as 0)", s.history.cpu(), torch.tensor([0.0, 1.0]))
+
+    hidden = 128
+    x0 = rank_input(rank(), ROWS, IN, seed=61)
+    w1, b1 = randn(hidden, IN, seed=62, scale=0.1), randn(hidden, seed=63, scale=0.1)
+    w2, b2 = randn(OUT, hidden, seed=64, scale=0.1), randn(OUT, seed=65, scale=0.1)
+    g = rank_input(rank(), ROWS, OUT, seed=66)
+
+    def run(fn, x, **kw):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2)]
+        y = fn(*leaves, **kw)
+        (y * g).sum().backward()
+        return [y.detach()] + [t.grad for t in leaves]
+
+    def close(what, got, want, exact):
+        for i, (a, b) in enumerate(zip(got, want)):
+            if exact:
+                assert_equal(f"{what}: output/gradient {i}", a, b)
+            else:
+                rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+                if rel > 0.05:
+                    raise AssertionError(f"{what}: output/gradient {i} differs by {rel:.3g} (norm)")
+
+    fused = bmt._C.nn.fp8_gelu_mlp_fused
+    gs = bmt.nn.Fp8DelayedScale()
+    dynamic = run(fused, x0)
+    close("first call (dynamic cast, amax recorded)", run(fused, x0, gelu_scale=gs), dynamic, not on_cuda())
+    if not gs.ready:
+        raise AssertionError("the first call did not record h's amax")
+    close("second call (h written in E4M3 with the same scale)", run(fused, x0, gelu_scale=gs), dynamic,
+          not on_cuda())
+    half = run(fused, x0 * 0.5, gelu_scale=gs)
+    half_dynamic = run(fused, x0 * 0.5)
+    close("input halved (delayed scale from the larger amaxes)", half, half_dynamic, False)
+    if torch.equal(half[0], half_dynamic[0]):
+        raise AssertionError("the delayed scale gave the dynamic cast's output: it was not used")
+
+    prev = bmt.nn.fp8_delayed_gelu()
+    try:
+        for on in (False, True):
+            bmt.nn.set_fp8_delayed_gelu(on)
+            if bmt.nn.fp8_delayed_gelu() != on:
+                raise AssertionError(f"set_fp8_delayed_gelu({on}) did not switch")
+            fresh = bmt.nn.Fp8DelayedScale()
+            close(f"bmt.nn.fp8_gelu_mlp, switch {on}",
+                  run(lambda *t: bmt.nn.fp8_gelu_mlp(*t, gelu_scale=fresh), x0), dynamic, False)
+            if fresh.ready != (on and on_cuda()):
+                raise AssertionError(f"switch {on}, cuda {on_cuda()}: the scale is ready={fresh.ready}")
+    finally:
+        bmt.nn.set_fp8_delayed_gelu(prev)
+
+
 if __name__ == "__main__":
     main()
