@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <optional>
+#include <utility>
 
 #include "bmt/core/error.h"
 #include "bmt/nn/attention.h"
@@ -126,29 +127,25 @@ void bind_nn(py::module_& m) {
       .def("record_amax", &DelayedScale::record_amax, py::arg("amax"));
   nn.def("fp8_delayed_gelu", &bmt::nn::fp8_delayed_gelu_enabled);
   nn.def("set_fp8_delayed_gelu", &bmt::nn::set_fp8_delayed_gelu_enabled, py::arg("enabled"));
-  nn.def(
-      "fp8_gelu_mlp",
-      [opt, grad_format](const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
-                         const at::Tensor& b_proj, const std::optional<at::Tensor>& residual,
-                         const std::optional<std::string>& grad, DelayedScale* gelu_scale) {
-        return bmt::nn::fp8_gelu_mlp(x, w_fc, b_fc, w_proj, b_proj, opt(residual), grad_format(grad),
-                                     /*compute_output=*/true, gelu_scale);
-      },
-      py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
-      py::arg("residual") = py::none(), py::arg("grad_format") = py::none(), py::arg("gelu_scale") = py::none(),
-      py::call_guard<py::gil_scoped_release>());
-  // The fused function on any device, whatever the switches say (CPU: the epilogue GEMMs' fp64 twin; for tests).
-  nn.def(
-      "fp8_gelu_mlp_fused",
-      [opt, grad_format](const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
-                         const at::Tensor& b_proj, const std::optional<at::Tensor>& residual,
-                         const std::optional<std::string>& grad, DelayedScale* gelu_scale) {
-        return bmt::nn::fp8_gelu_mlp_fused(x, w_fc, b_fc, w_proj, b_proj, opt(residual), grad_format(grad),
-                                           /*compute_output=*/true, gelu_scale);
-      },
-      py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
-      py::arg("residual") = py::none(), py::arg("grad_format") = py::none(), py::arg("gelu_scale") = py::none(),
-      py::call_guard<py::gil_scoped_release>());
+  // fp8_gelu_mlp, and fp8_gelu_mlp_fused: the fused function on any device whatever the switches say (CPU: the
+  // epilogue GEMMs' fp64 twin; for tests).
+  using MlpFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, bmt::nn::Fp8Format, bool, DelayedScale*);
+  for (const auto& [name, fn] : {std::pair<const char*, MlpFn>{"fp8_gelu_mlp", &bmt::nn::fp8_gelu_mlp},
+                                 std::pair<const char*, MlpFn>{"fp8_gelu_mlp_fused", &bmt::nn::fp8_gelu_mlp_fused}}) {
+    nn.def(
+        name,
+        [opt, grad_format, fn = fn](const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
+                                    const at::Tensor& w_proj, const at::Tensor& b_proj,
+                                    const std::optional<at::Tensor>& residual, const std::optional<std::string>& grad,
+                                    DelayedScale* gelu_scale) {
+          return fn(x, w_fc, b_fc, w_proj, b_proj, opt(residual), grad_format(grad), /*compute_output=*/true,
+                    gelu_scale);
+        },
+        py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
+        py::arg("residual") = py::none(), py::arg("grad_format") = py::none(), py::arg("gelu_scale") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  }
   nn.def("fp8_linear_applies", &bmt::nn::fp8_linear_applies, py::arg("input"), py::arg("weight"));
   nn.def("fp8_grad_format",
          [] { return std::string(bmt::nn::fp8_grad_format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2"); });
