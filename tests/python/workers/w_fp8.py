@@ -324,10 +324,12 @@ def fp8_delayed_gelu_scale_from_python():
     assert_equal("the window, newest first (the NaN kept out as 0)", s.history.cpu(), torch.tensor([0.0, 1.0]))
 
     hidden = 128
-    x0 = rank_input(rank(), ROWS, IN, seed=61)
-    w1, b1 = randn(hidden, IN, seed=62, scale=0.1), randn(hidden, seed=63, scale=0.1)
-    w2, b2 = randn(OUT, hidden, seed=64, scale=0.1), randn(OUT, seed=65, scale=0.1)
-    g = rank_input(rank(), ROWS, OUT, seed=66)
+    # (CUDA: bf16, the dtype cuBLASLt's FP8-output GEMM with a bias and pre-activation epilogue is used with)
+    dt = torch.bfloat16 if on_cuda() else torch.float32
+    x0 = rank_input(rank(), ROWS, IN, seed=61).to(dt)
+    w1, b1 = randn(hidden, IN, seed=62, scale=0.1).to(dt), randn(hidden, seed=63, scale=0.1).to(dt)
+    w2, b2 = randn(OUT, hidden, seed=64, scale=0.1).to(dt), randn(OUT, seed=65, scale=0.1).to(dt)
+    g = rank_input(rank(), ROWS, OUT, seed=66).to(dt)
 
     def run(fn, x, **kw):
         leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2)]
