@@ -63,12 +63,18 @@ void bind_nn(py::module_& m) {
          py::arg("residual"), py::call_guard<py::gil_scoped_release>());
   nn.def("causal_attention", &bmt::nn::causal_attention, py::arg("query"), py::arg("key"), py::arg("value"),
          py::call_guard<py::gil_scoped_release>());
+  // FP8 formats by name, both ways ("e4m3" / "e5m2"; `who` names the argument in the error).
+  const auto fp8_format = [](const std::string& name, const char* who) -> bmt::nn::Fp8Format {
+    if (name == "e5m2") return bmt::nn::Fp8Format::kE5M2;
+    if (name == "e4m3") return bmt::nn::Fp8Format::kE4M3;
+    BMT_ERROR(who, " ", name, " is not 'e4m3' or 'e5m2'");
+  };
+  const auto format_name = [](bmt::nn::Fp8Format f) {
+    return std::string(f == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2");
+  };
   // FP8 linears (nn/fp8_linear.h): grad_format "e5m2" / "e4m3", or None for the process default (BMT_FP8_GRAD).
-  const auto grad_format = [](const std::optional<std::string>& name) -> bmt::nn::Fp8Format {
-    if (!name) return bmt::nn::fp8_grad_format();
-    if (*name == "e5m2") return bmt::nn::Fp8Format::kE5M2;
-    if (*name == "e4m3") return bmt::nn::Fp8Format::kE4M3;
-    BMT_ERROR("fp8_linear: grad_format ", *name, " is not 'e5m2' or 'e4m3'");
+  const auto grad_format = [fp8_format](const std::optional<std::string>& name) {
+    return name ? fp8_format(*name, "fp8_linear: grad_format") : bmt::nn::fp8_grad_format();
   };
   // scaling "tensor" / "row", or None for the process default (BMT_FP8_SCALING)
   const auto scaling = [](const std::optional<std::string>& name) -> bmt::nn::Fp8Scaling {
@@ -105,19 +111,13 @@ void bind_nn(py::module_& m) {
       "is skipped, and stays out of the window). ready once a call has recorded an amax; scale (0-dim float32); "
       "history (the amaxes, newest first); record_amax(amax) records a 0-dim float32 amax as a producer would. Not "
       "in checkpoints: a loaded model starts from a dynamic cast. Not in BMTrain.")
-      .def(py::init([](int64_t history_len, const std::string& format) {
-             BMT_CHECK(format == "e4m3" || format == "e5m2", "Fp8DelayedScale: format ", format,
-                       " is not 'e4m3' or 'e5m2'");
-             return std::make_shared<DelayedScale>(
-                 history_len, format == "e4m3" ? bmt::nn::Fp8Format::kE4M3 : bmt::nn::Fp8Format::kE5M2);
+      .def(py::init([fp8_format](int64_t history_len, const std::string& format) {
+             return std::make_shared<DelayedScale>(history_len, fp8_format(format, "Fp8DelayedScale: format"));
            }),
            py::arg("history_len") = 16, py::arg("format") = "e4m3")
       .def_property_readonly("ready", &DelayedScale::ready)
       .def_property_readonly("history_len", &DelayedScale::history_len)
-      .def_property_readonly("format",
-                             [](const DelayedScale& s) {
-                               return std::string(s.format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2");
-                             })
+      .def_property_readonly("format", [format_name](const DelayedScale& s) { return format_name(s.format()); })
       .def_property_readonly("scale", &DelayedScale::scale)
       .def_property_readonly("history",
                              [](const DelayedScale& s) -> std::optional<at::Tensor> {
@@ -147,8 +147,7 @@ void bind_nn(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   }
   nn.def("fp8_linear_applies", &bmt::nn::fp8_linear_applies, py::arg("input"), py::arg("weight"));
-  nn.def("fp8_grad_format",
-         [] { return std::string(bmt::nn::fp8_grad_format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2"); });
+  nn.def("fp8_grad_format", [format_name] { return format_name(bmt::nn::fp8_grad_format()); });
   nn.def("set_fp8_grad_format", [grad_format](const std::string& name) {
     bmt::nn::set_fp8_grad_format(grad_format(name));
   }, py::arg("grad_format"));

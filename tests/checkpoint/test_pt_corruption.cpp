@@ -218,9 +218,18 @@ std::vector<std::pair<size_t, std::string>> directory_entries(const std::string&
   return out;
 }
 
-void put_u32(std::string& b, size_t at, uint32_t v) {
-  for (int i = 0; i < 4; ++i) b[at + i] = static_cast<char>(v >> (8 * i) & 0xFF);
-}
+// Little-endian fields appended to a byte string.
+struct Bytes {
+  std::string b;
+  Bytes& u(uint64_t v, int n) {
+    for (int i = 0; i < n; ++i) b += static_cast<char>(v >> (8 * i) & 0xFF);
+    return *this;
+  }
+  Bytes& s(const std::string& t) {
+    b += t;
+    return *this;
+  }
+};
 
 }  // namespace
 
@@ -257,7 +266,7 @@ TEST(PtCorruption, ADirectoryEntryClaimingMoreThanTheFileIsRefusedBeforeTorchAll
     for (const auto& [at, entry] : directory_entries(original)) {
       for (const Damage& d : damages) {
         std::string b = original;
-        put_u32(b, at + d.field, d.value);
+        b.replace(at + d.field, 4, Bytes().u(d.value, 4).b);
         write_bytes(path, b);
         const std::string label = name + " entry " + entry + " field " + std::to_string(d.field);
         try {
@@ -277,19 +286,6 @@ TEST(PtCorruption, ADirectoryEntryClaimingMoreThanTheFileIsRefusedBeforeTorchAll
 }
 
 namespace {
-
-// Little-endian fields appended to a byte string.
-struct Bytes {
-  std::string b;
-  Bytes& u(uint64_t v, int n) {
-    for (int i = 0; i < n; ++i) b += static_cast<char>(v >> (8 * i) & 0xFF);
-    return *this;
-  }
-  Bytes& s(const std::string& t) {
-    b += t;
-    return *this;
-  }
-};
 
 // A one-entry archive in zip64 form (APPNOTE 4.3.14-4.3.16, 4.5.3): the entry's two sizes and its offset are the
 // 0xFFFFFFFF marker in the central directory and 64-bit values in its zip64 extra field (the first `z64_fields` of

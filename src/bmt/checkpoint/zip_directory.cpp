@@ -4,7 +4,6 @@
 #include "bmt/checkpoint/zip_directory_internal.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "bmt/checkpoint/file_io.h"
 #include "bmt/core/error.h"
@@ -116,15 +115,14 @@ std::vector<ZipEntry> read_zip_directory(const InFile& file) {
     z.name.assign(reinterpret_cast<const char*>(e + kEntryNbytes), static_cast<size_t>(name_n));
     z.method = static_cast<int>(le(e + 10, 2));
     uint64_t compressed = le(e + 20, 4), uncompressed = le(e + 24, 4), offset = le(e + 42, 4);
-    const Zip64Sizes z64 = zip64_extra(e + kEntryNbytes + name_n, extra_n, uncompressed == kZip64Marker32,
-                                       compressed == kZip64Marker32, offset == kZip64Marker32);
-    if (z64.has_uncompressed) uncompressed = z64.uncompressed;
-    if (z64.has_compressed) compressed = z64.compressed;
-    if (z64.has_offset) offset = z64.offset;
-    BMT_CHECK(!(le(e + 24, 4) == kZip64Marker32 && !z64.has_uncompressed) &&
-                  !(le(e + 20, 4) == kZip64Marker32 && !z64.has_compressed) &&
-                  !(le(e + 42, 4) == kZip64Marker32 && !z64.has_offset),
-              path, ": zip entry ", z.name, " holds the zip64 size marker without a zip64 extra field (corrupted)");
+    const bool want_u = uncompressed == kZip64Marker32, want_c = compressed == kZip64Marker32,
+               want_o = offset == kZip64Marker32;
+    const Zip64Sizes z64 = zip64_extra(e + kEntryNbytes + name_n, extra_n, want_u, want_c, want_o);
+    BMT_CHECK(want_u == z64.has_uncompressed && want_c == z64.has_compressed && want_o == z64.has_offset, path,
+              ": zip entry ", z.name, " holds the zip64 size marker without a zip64 extra field (corrupted)");
+    if (want_u) uncompressed = z64.uncompressed;
+    if (want_c) compressed = z64.compressed;
+    if (want_o) offset = z64.offset;
     const uint64_t room = static_cast<uint64_t>(size);
     BMT_CHECK(offset <= room && compressed <= room && offset + kLocalHeaderNbytes + compressed <= room, path,
               ": zip entry ", z.name, " claims ", compressed, " bytes at offset ", offset, ", past the end of the ",
