@@ -23,7 +23,8 @@
 // --cuda-graphs (bmt; not with --offload, --step-in-backward, --pp): forward + backward, the Blocks' gathers and
 // gradient reductions included, captured once as a CUDA graph (bmt::CudaGraphStep, after 2 eager warm-up calls)
 // and replayed; the optimizer step stays eager. The JSON row says how many steps replayed ("cuda_graphs_status").
-// --profile: 2 more steps under the Kineto profiler after the timed ones (gpu_profile.h), printed and in the JSON.
+// --profile: 2 more steps under the Kineto profiler after the timed ones (gpu_profile.h), printed and in the JSON
+// (BMT_PROFILE_TOP kernels listed, default 12).
 // The command line is parsed in bench_train_args.cpp.
 // --memory-snapshot PATH / --memory-breakdown: what holds the GPU memory peak (bench/memory_report.h): the
 // allocator's pickled history for https://pytorch.org/memory_viz, and a per-category table at the largest sample.
@@ -236,7 +237,9 @@ int run(const Args& a) {
     bench::GpuProfile profiler;
     profiler.start();
     for (int64_t i = 0; i < 2; ++i) r.step(batches[static_cast<size_t>((a.warmup + a.steps + i) % distinct)]);
-    bench::GpuProfileSummary summary = profiler.stop();
+    // (BMT_PROFILE_TOP: how many kernels the summary lists, 12 by default)
+    const char* top_env = std::getenv("BMT_PROFILE_TOP");
+    bench::GpuProfileSummary summary = profiler.stop(top_env ? std::atoi(top_env) : 12);
     std::printf("profile of 2 steps:\n%s", summary.table().c_str());
     profile_json = summary.json();
   }
