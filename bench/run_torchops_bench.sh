@@ -28,7 +28,9 @@
 #                           bmt_fp8_dgelu_head (both; variant fp8-fused-dgelu-head); bmt_fp8_delayed
 #                           (BMT_FP8_DELAYED_GELU=1: c_fc's GEMM writes the GELU output in E4M3 with a delayed
 #                           scale; variant fp8-delayed-gelu), bmt_fp8_all (the three: variant
-#                           fp8-fused-dgelu-delayed-gelu-head); bmt_tune and bmt_fp8_tune
+#                           fp8-fused-dgelu-delayed-gelu-head), bmt_fp8_inputs (BMT_FP8_DELAYED_INPUTS=1: the
+#                           linears' inputs cast with delayed scales; variant fp8-delayed-inputs), bmt_fp8_all_inputs
+#                           (the four; variant fp8-fused-dgelu-delayed-gelu-head-delayed-inputs); bmt_tune and bmt_fp8_tune
 #                           (BMT_GEMM_AUTOTUNE=1: each GEMM shape's cuBLASLt algorithm timed among its candidates;
 #                           variants autotune, fp8-autotune)
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
@@ -161,6 +163,12 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
                            env BMT_FP8_DELAYED_GELU=1 "$BIN" --framework bmt $C --fp8 ;;
         bmt_fp8_all) BENCH_VARIANT=fp8-fused-dgelu-delayed-gelu-head run_one "bmt_fp8_all_$cfg" bmt "$CANON" \
                        env BMT_FP8_DGELU_FUSED=1 BMT_FP8_DELAYED_GELU=1 "$BIN" --framework bmt $C --fp8 --fp8-head ;;
+        # and the linears' inputs cast with delayed scales (no amax pass over them)
+        bmt_fp8_all_inputs) BENCH_VARIANT=fp8-fused-dgelu-delayed-gelu-head-delayed-inputs \
+          run_one "bmt_fp8_all_inputs_$cfg" bmt "$CANON" env BMT_FP8_DGELU_FUSED=1 BMT_FP8_DELAYED_GELU=1 \
+          BMT_FP8_DELAYED_INPUTS=1 "$BIN" --framework bmt $C --fp8 --fp8-head ;;
+        bmt_fp8_inputs) BENCH_VARIANT=fp8-delayed-inputs run_one "bmt_fp8_inputs_$cfg" bmt "$CANON" \
+                          env BMT_FP8_DELAYED_INPUTS=1 "$BIN" --framework bmt $C --fp8 ;;
         # cuBLASLt's candidate algorithms timed per GEMM shape (BMT_GEMM_AUTOTUNE=1), bf16 and FP8
         bmt_tune) BENCH_VARIANT=autotune run_one "bmt_tune_$cfg" bmt "$CANON" \
                     env BMT_GEMM_AUTOTUNE=1 "$BIN" --framework bmt $C ;;

@@ -87,20 +87,23 @@ void bind_nn(py::module_& m) {
       "fp8_linear",
       [opt, grad_format, scaling](const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias, const std::optional<std::string>& grad,
-                                  const std::optional<std::string>& scale_by, bool compute) {
-        return bmt::nn::fp8_linear(x, weight, opt(bias), grad_format(grad), scaling(scale_by), compute);
+                                  const std::optional<std::string>& scale_by, bool compute,
+                                  bmt::nn::Fp8DelayedScale* input_scale) {
+        return bmt::nn::fp8_linear(x, weight, opt(bias), grad_format(grad), scaling(scale_by), compute, input_scale);
       },
       py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("grad_format") = py::none(),
-      py::arg("scaling") = py::none(), py::arg("compute") = true, py::call_guard<py::gil_scoped_release>());
+      py::arg("scaling") = py::none(), py::arg("compute") = true, py::arg("input_scale") = py::none(),
+      py::call_guard<py::gil_scoped_release>());
   nn.def(
       "fp8_linear_residual",
       [opt, grad_format, scaling](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                   const at::Tensor& residual, const std::optional<std::string>& grad,
-                                  const std::optional<std::string>& scale_by) {
-        return bmt::nn::fp8_linear_residual(x, weight, opt(bias), residual, grad_format(grad), scaling(scale_by));
+                                  const std::optional<std::string>& scale_by, bmt::nn::Fp8DelayedScale* input_scale) {
+        return bmt::nn::fp8_linear_residual(x, weight, opt(bias), residual, grad_format(grad), scaling(scale_by),
+                                            input_scale);
       },
       py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("grad_format") = py::none(),
-      py::arg("scaling") = py::none(), py::call_guard<py::gil_scoped_release>());
+      py::arg("scaling") = py::none(), py::arg("input_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
   // The delayed scale of the FP8 MLP's GELU output (nn/fp8_delayed_scale.h): the caller keeps one per MLP across
   // steps and passes it to fp8_gelu_mlp (used on its fused CUDA path when fp8_delayed_gelu() is on).
   using DelayedScale = bmt::nn::Fp8DelayedScale;
@@ -124,13 +127,20 @@ void bind_nn(py::module_& m) {
                                if (!s.history().defined()) return std::nullopt;
                                return s.history();
                              })
-      .def("record_amax", &DelayedScale::record_amax, py::arg("amax"));
+      .def("record_amax", &DelayedScale::record_amax, py::arg("amax"))
+      // (a copied module starts its own window, as a loaded one does)
+      .def("__deepcopy__", [](const DelayedScale& s, const py::dict&) {
+        return std::make_shared<DelayedScale>(s.history_len(), s.format());
+      });
   nn.def("fp8_delayed_gelu", &bmt::nn::fp8_delayed_gelu_enabled);
   nn.def("set_fp8_delayed_gelu", &bmt::nn::set_fp8_delayed_gelu_enabled, py::arg("enabled"));
+  nn.def("fp8_delayed_inputs", &bmt::nn::fp8_delayed_inputs_enabled);
+  nn.def("set_fp8_delayed_inputs", &bmt::nn::set_fp8_delayed_inputs_enabled, py::arg("enabled"));
   // fp8_gelu_mlp, and fp8_gelu_mlp_fused: the fused function on any device whatever the switches say (CPU: the
   // epilogue GEMMs' fp64 twin; for tests).
   using MlpFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, bmt::nn::Fp8Format, bool, DelayedScale*);
+                               const at::Tensor&, const at::Tensor&, bmt::nn::Fp8Format, bool, DelayedScale*,
+                               DelayedScale*);
   for (const auto& [name, fn] : {std::pair<const char*, MlpFn>{"fp8_gelu_mlp", &bmt::nn::fp8_gelu_mlp},
                                  std::pair<const char*, MlpFn>{"fp8_gelu_mlp_fused", &bmt::nn::fp8_gelu_mlp_fused}}) {
     nn.def(
@@ -138,13 +148,13 @@ void bind_nn(py::module_& m) {
         [opt, grad_format, fn = fn](const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                                     const at::Tensor& w_proj, const at::Tensor& b_proj,
                                     const std::optional<at::Tensor>& residual, const std::optional<std::string>& grad,
-                                    DelayedScale* gelu_scale) {
+                                    DelayedScale* gelu_scale, DelayedScale* input_scale) {
           return fn(x, w_fc, b_fc, w_proj, b_proj, opt(residual), grad_format(grad), /*compute_output=*/true,
-                    gelu_scale);
+                    gelu_scale, input_scale);
         },
         py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
         py::arg("residual") = py::none(), py::arg("grad_format") = py::none(), py::arg("gelu_scale") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("input_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
   }
   nn.def("fp8_linear_applies", &bmt::nn::fp8_linear_applies, py::arg("input"), py::arg("weight"));
   nn.def("fp8_grad_format", [format_name] { return format_name(bmt::nn::fp8_grad_format()); });

@@ -1,5 +1,5 @@
-// Delayed FP8 scaling on the GPU (tests/nn/test_fp8_delayed.cpp has the CPU side): the FP8 byte transpose and the
-// record kernel against their CPU twins bit for bit; cuBLASLt's FP8-output GEMM (GELU_AUX_BIAS and BIAS writing
+// Delayed FP8 scaling on the GPU (tests/nn/test_fp8_delayed.cpp has the CPU side): the FP8 byte transpose, the
+// delayed cast (scale given, amax folded) and the record kernel against their CPU twins bit for bit; cuBLASLt's FP8-output GEMM (GELU_AUX_BIAS and BIAS writing
 // E4M3 with a scale, folding the amax) against the twin within one FP8 rounding plus the accumulation's bound, the
 // amax to the accumulation's bound; nn::fp8_gelu_mlp with BMT_FP8_DELAYED_GELU's path against the dynamic cast
 // within FP8 rounding, and its state moving on the device.
@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <string>
 
 #include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/core/kernels/fp8_delayed_scale_internal.h"
@@ -18,6 +19,7 @@
 #include "bmt/nn/fp8_delayed_scale_internal.h"
 #include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fp8_mlp.h"
+#include "bmt/runtime/tensor_adapter_internal.h"
 #include "fp8_cuda_device.h"
 
 namespace k = bmt::core::kernels;
@@ -50,6 +52,56 @@ TEST(Fp8TransposeCuda, MatchesTheCpuTwinBitForBit) {
     k::fp8_transpose_cuda(qg.data_ptr<uint8_t>(), rows, cols, got.data_ptr<uint8_t>(), stream());
     EXPECT_TRUE(at::equal(got.cpu(), want)) << rows << "x" << cols;
   }
+}
+
+TEST(Fp8CastDelayedCuda, MatchesTheCpuTwinBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // the 8-wide transposing tiles (multiples of 8, full and partial tiles), the element-wise tiles (odd shapes), the
+  // row-major-only cast (vector and scalar), a GPT activation; each with an amax slot below and above the tensor's
+  // and NaN, a tensor holding a NaN, and a scale that saturates part of it
+  int cases = 0;
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{64, 64}, {72, 136}, {100, 36}, {7, 13}, {1, 3},
+                                  {16384, 256}}) {
+    for (const at::ScalarType dt : {at::kBFloat16, at::kFloat}) {
+      for (const int layout : {0, 1, 2}) {  // both copies, row-major only, transposed only
+        for (const float start : {0.0f, 1e6f, nan}) {
+          for (const bool with_nan : {false, true}) {
+            at::Tensor x = (at::randn({rows, cols}) * 3.0).to(dt);
+            if (with_nan) x.view(-1)[x.numel() / 2] = nan;
+            const float scale = 448.0f / 6.0f;  // (|x| above 6 saturates)
+            const Fp8Format f = layout == 1 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+            const bool want_q = layout != 2, want_qt = layout != 1;
+            at::Tensor q = at::zeros({rows, cols}, at::kByte), qt = at::zeros({cols, rows}, at::kByte);
+            at::Tensor amax = at::full({}, start), sc = at::full({}, scale);
+            k::fp8_cast_delayed_cpu(x.data_ptr(), bmt::to_core_dtype(dt), rows, cols, sc.data_ptr<float>(),
+                                    amax.data_ptr<float>(), bmt::nn::core_format(f),
+                                    want_q ? q.data_ptr<uint8_t>() : nullptr, want_qt ? qt.data_ptr<uint8_t>() : nullptr);
+            const at::Tensor xg = x.cuda(), sg = sc.cuda();
+            at::Tensor qg = at::zeros_like(q).cuda(), qtg = at::zeros_like(qt).cuda(), ag = at::full({}, start).cuda();
+            k::fp8_cast_delayed_cuda(xg.data_ptr(), bmt::to_core_dtype(dt), rows, cols, sg.data_ptr<float>(),
+                                     ag.data_ptr<float>(), bmt::nn::core_format(f),
+                                     want_q ? qg.data_ptr<uint8_t>() : nullptr,
+                                     want_qt ? qtg.data_ptr<uint8_t>() : nullptr, stream());
+            const std::string what = std::to_string(rows) + "x" + std::to_string(cols) + " layout " +
+                                     std::to_string(layout) + " start " + std::to_string(start) +
+                                     (with_nan ? " with NaN" : "");
+            EXPECT_TRUE(at::equal(qg.cpu(), q)) << what;
+            EXPECT_TRUE(at::equal(qtg.cpu(), qt)) << what;
+            const float a = ag.item<float>(), b = amax.item<float>();
+            EXPECT_TRUE(a == b || (std::isnan(a) && std::isnan(b))) << what << ": amax " << a << " vs " << b;
+            // the closed form: the fold is max(start, max |x|), a NaN on either side winning
+            const float xmax = x.abs().max().item<float>();
+            const bool nan_wins = with_nan || std::isnan(start);
+            if (nan_wins) EXPECT_TRUE(std::isnan(b)) << what;
+            else EXPECT_EQ(b, std::max(start, xmax)) << what;
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 6 * 2 * 3 * 3 * 2);
 }
 
 TEST(Fp8DelayedRecordCuda, MatchesTheCpuTwinBitForBit) {

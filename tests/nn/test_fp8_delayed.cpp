@@ -3,7 +3,9 @@
 // encoded by float_to_fp8, saturation included), the FP8 byte transpose, the record's closed forms (history window,
 // scale of its maximum, non-finite amaxes kept out and marked by a NaN inverse scale), and nn::fp8_gelu_mlp_fused
 // with a delayed scale against the dynamic cast it replaces: bit for bit in fp32 when the delayed scale is the
-// dynamic one (the same inputs twice), within FP8 rounding when it is not, NaN for a non-finite activation.
+// dynamic one (the same inputs twice), within FP8 rounding when it is not, NaN for a non-finite activation. The same
+// for a GEMM input (nn::fp8_cast_delayed: the cast kernel takes the scale and folds the amax) in nn::fp8_linear,
+// fp8_linear_residual and the FP8 MLP, under BMT_FP8_DELAYED_INPUTS.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -221,4 +223,142 @@ TEST(Fp8DelayedGelu, MlpWritesTheGeluOutputInFp8WithTheDelayedScale) {
   EXPECT_EQ(s.history()[0].item<float>(), 0.0f) << "the non-finite amax is not kept";
   // the window (newest first: 0, the small amax, amax1, amax1) has amax1 for its maximum: the dynamic scale again
   expect_same(run_mlp(x, w1, b1, w2, b2, g, &s), dynamic, "after the skipped step");
+}
+
+// Delayed scaling of a GEMM input (nn::fp8_cast_delayed, core's fp8_cast_delayed_cpu): the cast takes the state's
+// scale and folds the tensor's amax in the same pass.
+TEST(Fp8CastDelayed, TwinCastsWithTheGivenScaleAndFoldsTheAmax) {
+  at::manual_seed(53);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t rows = 24, cols = 40;
+  for (const float start : {0.0f, 100.0f, nan}) {
+    for (const bool with_nan : {false, true}) {
+      at::Tensor x = at::randn({rows, cols}) * 3.0;
+      if (with_nan) x[3][7] = nan;
+      const float scale = kE4M3Max / 5.0f;  // |x| above 5 saturates
+      float amax = start;
+      at::Tensor q = at::empty({rows, cols}, at::kByte), qt = at::empty({cols, rows}, at::kByte);
+      k::fp8_cast_delayed_cpu(x.data_ptr(), bmt::core::DType::kFloat32, rows, cols, &scale, &amax,
+                              k::Fp8Format::kE4M3, q.data_ptr<uint8_t>(), qt.data_ptr<uint8_t>());
+      int64_t saturated = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const float v = x[r][c].item<float>() * scale;
+          const auto want = static_cast<int64_t>(k::float_to_fp8(v, k::Fp8Format::kE4M3));
+          ASSERT_EQ(q[r][c].item<int64_t>(), want) << r << "," << c;
+          ASSERT_EQ(qt[c][r].item<int64_t>(), want) << r << "," << c;
+          saturated += std::fabs(v) > kE4M3Max;
+        }
+      }
+      EXPECT_GT(saturated, 0) << "the scale saturates |x| > 5";
+      if (with_nan || std::isnan(start)) {
+        EXPECT_TRUE(std::isnan(amax)) << "a NaN on either side wins (start " << start << ")";
+      } else {
+        EXPECT_EQ(amax, std::max(start, x.abs().max().item<float>())) << "start " << start;
+      }
+    }
+  }
+}
+
+TEST(Fp8CastDelayed, FirstCallIsTheDynamicCastThenTheRecordedScale) {
+  at::manual_seed(59);
+  const at::Tensor x = at::randn({32, 48}) * 2.0;
+  Fp8DelayedScale s(2);
+  const bmt::nn::Fp8Tensor dyn = bmt::nn::fp8_cast(x, Fp8Format::kE4M3, true, true);
+  const bmt::nn::Fp8Tensor first = bmt::nn::fp8_cast_delayed(x, s, true, true);
+  ASSERT_TRUE(s.ready());
+  EXPECT_TRUE(at::equal(bytes(first.data), bytes(dyn.data)) && at::equal(bytes(first.data_t), bytes(dyn.data_t)));
+  EXPECT_EQ(first.inv.item<float>(), dyn.inv.item<float>());
+  const float amax = x.abs().max().item<float>();
+  EXPECT_EQ(s.history()[0].item<float>(), amax);
+  // the same tensor again: its own amax is the window's, so the bytes and inverse scale are the dynamic cast's
+  const bmt::nn::Fp8Tensor again = bmt::nn::fp8_cast_delayed(x, s, true, false);
+  EXPECT_TRUE(at::equal(bytes(again.data), bytes(dyn.data)));
+  EXPECT_FALSE(again.data_t.defined()) << "only the copy asked for";
+  EXPECT_EQ(again.inv.item<float>(), dyn.inv.item<float>());
+  // four times larger: cast with the old scale (a quarter of the values saturate or more), the new amax recorded
+  const at::Tensor big = x * 4.0;
+  const bmt::nn::Fp8Tensor sat = bmt::nn::fp8_cast_delayed(big, s, true, false);
+  EXPECT_EQ(sat.inv.item<float>(), dyn.inv.item<float>()) << "this call's bytes were written with the old scale";
+  const at::Tensor decoded = sat.data.to(at::kFloat) * sat.inv;
+  EXPECT_FLOAT_EQ(decoded.abs().max().item<float>(), amax) << "saturated at the old range";
+  EXPECT_EQ(s.history()[0].item<float>(), 4.0f * amax);
+  EXPECT_FLOAT_EQ(s.scale().item<float>(), kE4M3Max / (4.0f * amax)) << "the next scale covers the larger tensor";
+  // a NaN in the input: NaN inverse scale for this call (its step is skipped), the window keeps a 0
+  at::Tensor bad = x.clone();
+  bad[1][2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(bmt::nn::fp8_cast_delayed(bad, s, true, false).inv.item<float>()));
+  EXPECT_EQ(s.history()[0].item<float>(), 0.0f);
+  EXPECT_THROW(bmt::nn::fp8_cast_delayed(at::zeros({4}), s, true, false), std::exception) << "not 2-D";
+}
+
+namespace {
+
+struct LinearRun {
+  at::Tensor y, dx, dw, db;
+};
+
+LinearRun run_linear(const at::Tensor& x0, const at::Tensor& w0, const at::Tensor& b0, const at::Tensor& g,
+                     Fp8DelayedScale* scale) {
+  at::Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+  const at::Tensor y = bmt::nn::fp8_linear(x, w, b, Fp8Format::kE5M2, bmt::nn::Fp8Scaling::kTensor, true, scale);
+  y.backward(g);
+  return {y.detach(), x.grad(), w.grad(), b.grad()};
+}
+
+// Restores the process-wide switch however the test ends.
+struct DelayedInputsOn {
+  DelayedInputsOn() { bmt::nn::set_fp8_delayed_inputs_enabled(true); }
+  ~DelayedInputsOn() { bmt::nn::set_fp8_delayed_inputs_enabled(false); }
+};
+
+}  // namespace
+
+TEST(Fp8DelayedInputs, LinearAndMlpCastTheirInputWithTheDelayedScale) {
+  at::manual_seed(61);
+  const at::Tensor x = at::randn({32, 48}), w = at::randn({64, 48}) * 0.2, b = at::randn({64}) * 0.1;
+  const at::Tensor g = at::randn({32, 64});
+  const LinearRun dyn = run_linear(x, w, b, g, nullptr);
+  Fp8DelayedScale off(4);
+  run_linear(x, w, b, g, &off);
+  EXPECT_FALSE(off.ready()) << "switch off (the default): the state is not used";
+  DelayedInputsOn on;
+  Fp8DelayedScale s(4);
+  for (const char* call : {"first call (dynamic)", "second call (delayed, the same scale)"}) {
+    const LinearRun r = run_linear(x, w, b, g, &s);
+    EXPECT_TRUE(at::equal(r.y, dyn.y) && at::equal(r.dx, dyn.dx) && at::equal(r.dw, dyn.dw) && at::equal(r.db, dyn.db))
+        << call;
+  }
+  EXPECT_EQ(s.history()[1].item<float>(), x.abs().max().item<float>());
+  // smaller inputs: the window's larger amax scales them, within FP8 rounding of the dynamic path and not equal (not
+  // a power of two, which would only move FP8's exponents)
+  const at::Tensor xs = x * 0.3;
+  const LinearRun dyn_small = run_linear(xs, w, b, g, nullptr), del_small = run_linear(xs, w, b, g, &s);
+  EXPECT_FALSE(at::equal(del_small.y, dyn_small.y));
+  EXPECT_LT(rel_diff(del_small.y, dyn_small.y), 0.08);
+  EXPECT_LT(rel_diff(del_small.dw, dyn_small.dw), 0.08);
+  EXPECT_TRUE(at::equal(del_small.dx, dyn_small.dx)) << "dx does not read x's bytes";
+  // the residual form takes the same state
+  Fp8DelayedScale sr(4);
+  const at::Tensor res = at::randn({32, 64});
+  for (int i = 0; i < 2; ++i)
+    EXPECT_TRUE(at::equal(bmt::nn::fp8_linear_residual(x, w, b, res, Fp8Format::kE5M2, bmt::nn::Fp8Scaling::kTensor,
+                                                       &sr),
+                          dyn.y + res));
+  EXPECT_TRUE(sr.ready());
+  // the FP8 MLP's input: the fused function with x's state, bit for bit the dynamic path on the first two calls
+  const int64_t hidden = 64;
+  const at::Tensor w1 = at::randn({hidden, 48}) * 0.2, b1 = at::randn({hidden}) * 0.1;
+  const at::Tensor w2 = at::randn({48, hidden}) * 0.1, b2 = at::randn({48}) * 0.1, gm = at::randn({32, 48});
+  const MlpRun mdyn = run_mlp(x, w1, b1, w2, b2, gm, nullptr);
+  Fp8DelayedScale sx(4);
+  for (const char* call : {"MLP first call", "MLP second call"}) {
+    at::Tensor xi = x.clone().requires_grad_(), w1i = w1.clone().requires_grad_(), b1i = b1.clone().requires_grad_();
+    at::Tensor w2i = w2.clone().requires_grad_(), b2i = b2.clone().requires_grad_();
+    const at::Tensor y = bmt::nn::fp8_gelu_mlp_fused(xi, w1i, b1i, w2i, b2i, at::Tensor(), Fp8Format::kE5M2, true,
+                                                     nullptr, &sx);
+    y.backward(gm);
+    expect_same({y.detach(), xi.grad(), w1i.grad(), b1i.grad(), w2i.grad(), b2i.grad()}, mdyn, call);
+  }
+  EXPECT_EQ(sx.history()[0].item<float>(), x.abs().max().item<float>());
 }

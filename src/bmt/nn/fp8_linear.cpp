@@ -8,6 +8,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
+#include "bmt/nn/fp8_delayed_scale.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_linear_internal.h"
 #include "bmt/nn/fused_reductions.h"
@@ -41,13 +42,18 @@ bool supported_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFl
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
-                            int64_t grad_format, int64_t scaling_id, bool want_dx, bool want_dw, bool compute) {
+                            int64_t grad_format, int64_t scaling_id, bool want_dx, bool want_dw, bool compute,
+                            Fp8DelayedScale* x_scale) {
     const int64_t in = weight.size(1), out = weight.size(0);
     const auto scaling = static_cast<Fp8Scaling>(scaling_id);
     const at::Tensor x2 = x.contiguous().view({-1, in});
     // compute = false (a recompute's tail): no forward GEMM, so neither x's row-major bytes nor W's cast
     Fp8Tensor xq;
-    if (compute || want_dw) xq = fp8_cast_as(scaling, x2, Fp8Format::kE4M3, compute, want_dw);
+    // (a delayed scale: per tensor, E4M3, the amax taken by the cast itself)
+    const bool delayed = x_scale && scaling == Fp8Scaling::kTensor && x_scale->format() == Fp8Format::kE4M3;
+    if (compute || want_dw)
+      xq = delayed ? fp8_cast_delayed(x2, *x_scale, compute, want_dw)
+                   : fp8_cast_as(scaling, x2, Fp8Format::kE4M3, compute, want_dw);
     at::Tensor y;
     Fp8Tensor wq;
     if (compute) {
@@ -109,7 +115,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     if (want_dw) dw = fp8_scaled_mm(dyq.data_t, dyq.inv_scale_t(), xt8, x_inv, w_dtype, false, std::nullopt);
     at::Tensor dres;
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(3)) dres = grads[0];
-    return {dx, dw, db, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, db, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -314,7 +320,7 @@ bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8Format grad_format,
-                      Fp8Scaling scaling, bool compute_output) {
+                      Fp8Scaling scaling, bool compute_output, Fp8DelayedScale* x_scale) {
   BMT_CHECK(weight.defined() && weight.dim() == 2, "nn::fp8_linear: needs a 2-D weight");
   BMT_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "nn::fp8_linear: input ", x.sizes(),
             " does not match weight ", weight.sizes());
@@ -326,11 +332,13 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   const bool grad = at::GradMode::is_enabled();
   return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, std::nullopt,
                             static_cast<int64_t>(grad_format), static_cast<int64_t>(scaling),
-                            grad && x.requires_grad(), grad && weight.requires_grad(), compute_output);
+                            grad && x.requires_grad(), grad && weight.requires_grad(), compute_output,
+                            fp8_delayed_inputs_enabled() ? x_scale : nullptr);
 }
 
 at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                               const at::Tensor& residual, Fp8Format grad_format, Fp8Scaling scaling) {
+                               const at::Tensor& residual, Fp8Format grad_format, Fp8Scaling scaling,
+                               Fp8DelayedScale* x_scale) {
   BMT_CHECK(weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
             "nn::fp8_linear_residual: input ", x.sizes(), " does not match weight ",
             weight.defined() ? weight.sizes() : at::IntArrayRef());
@@ -338,19 +346,19 @@ at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, co
   check_residual(residual, x, weight.size(0), "nn::fp8_linear_residual");
   if (!fp8_linear_applies(x, weight) || (bias.defined() && bias.scalar_type() != x.scalar_type()) ||
       residual.scalar_type() != x.scalar_type() || residual.device() != x.device())
-    return residual + fp8_linear(x, weight, bias, grad_format, scaling);
+    return residual + fp8_linear(x, weight, bias, grad_format, scaling, true, x_scale);
   BMT_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), "nn::fp8_linear_residual: bias ",
             bias.sizes(), " does not match weight ", weight.sizes());
   const bool grad = at::GradMode::is_enabled();
   return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
                             std::optional<at::Tensor>(residual), static_cast<int64_t>(grad_format),
                             static_cast<int64_t>(scaling), grad && x.requires_grad(), grad && weight.requires_grad(),
-                            true);
+                            true, fp8_delayed_inputs_enabled() ? x_scale : nullptr);
 }
 
 at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,
-                         bool compute_output) {
-  if (fp8) return fp8_linear(x, weight, bias, fp8_grad_format(), fp8_scaling(), compute_output);
+                         bool compute_output, Fp8DelayedScale* x_scale) {
+  if (fp8) return fp8_linear(x, weight, bias, fp8_grad_format(), fp8_scaling(), compute_output, x_scale);
   return compute_output ? linear(x, weight, bias) : linear_deferred(x, weight, bias);
 }
 

@@ -27,23 +27,25 @@ namespace bmt::nn {
 
 enum class Fp8Format { kE4M3, kE5M2 };
 enum class Fp8Scaling { kTensor, kRow };
+class Fp8DelayedScale;
 
 // y = x weight^T + bias (bias may be undefined) with FP8 GEMMs; grad_format: the gradient dy's format.
 // compute_output = false (a checkpointed Block's recompute whose output only roots the backward,
 // skip_block_outputs_now()): y is left uncomputed (NaN), no forward GEMM and no weight cast; node and gradients
-// are the same.
+// are the same. x_scale (optional, per-tensor scaling): x's delayed scale (nn/fp8_delayed_scale.h), used when
+// fp8_delayed_inputs_enabled(); the caller keeps it alive and gives each input its own.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = at::Tensor(),
                       Fp8Format grad_format = Fp8Format::kE5M2, Fp8Scaling scaling = Fp8Scaling::kTensor,
-                      bool compute_output = true);
+                      bool compute_output = true, Fp8DelayedScale* x_scale = nullptr);
 // residual + x weight^T + bias with fp8_linear's numerics, the residual added by the FP8 GEMM's epilogue on CUDA with
 // per-tensor scales (one rounding of the sum, no separate pass), else after the GEMM. residual: the output's shape.
 at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                const at::Tensor& residual, Fp8Format grad_format = Fp8Format::kE5M2,
-                               Fp8Scaling scaling = Fp8Scaling::kTensor);
+                               Fp8Scaling scaling = Fp8Scaling::kTensor, Fp8DelayedScale* x_scale = nullptr);
 // The GEMM of a layer with an FP8 switch (nn::Linear, the tensor-parallel layers): fp8_linear with the process's
 // settings (fp8_grad_format(), fp8_scaling()) when `fp8`, else nn::linear (nn::linear_deferred without the output).
 at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,
-                         bool compute_output = true);
+                         bool compute_output = true, Fp8DelayedScale* x_scale = nullptr);
 // Whether fp8_linear takes the FP8 path for these operands (else it is nn::linear).
 bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
 

@@ -51,12 +51,14 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                             const at::Tensor& w_proj, const at::Tensor& b_proj,
                             const std::optional<at::Tensor>& residual, int64_t grad_format, bool grad,
-                            bool compute_output, bool epilogues, Fp8DelayedScale* gelu_scale) {
+                            bool compute_output, bool epilogues, Fp8DelayedScale* gelu_scale,
+                            Fp8DelayedScale* x_scale) {
     const int64_t in = w_fc.size(1), hidden = w_fc.size(0), out = w_proj.size(0);
     const at::Tensor x2 = x.contiguous().view({-1, in});
     const int64_t rows = x2.size(0);
     const at::ScalarType dtype = x.scalar_type();
-    const Fp8Tensor xq = fp8_cast(x2, kE4M3, true, grad);
+    const Fp8Tensor xq = x_scale && x_scale->format() == kE4M3 ? fp8_cast_delayed(x2, *x_scale, true, grad)
+                                                                : fp8_cast(x2, kE4M3, true, grad);
     const Fp8Tensor w1q = fp8_cast(w_fc, kE4M3, true, false);
     const at::Tensor b1 = b_fc.contiguous();
     at::Tensor pre = at::empty({rows, hidden}, x.options());
@@ -151,7 +153,9 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
       if (want_dw1) dw1 = fp8_scaled_mm(dpq.data_t, dpq.inv, xt8, x_inv, w_fc.scalar_type(), false, std::nullopt);
     }
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(5)) dres = grads[0];
-    return {dx, dw1, db1, dw2, db2, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    variable_list g = {dx, dw1, db1, dw2, db2, dres};
+    g.resize(12);  // (none for the six non-tensor arguments)
+    return g;
   }
 };
 
@@ -165,20 +169,21 @@ bool fused_operands(std::initializer_list<const at::Tensor*> ts, const at::Tenso
 
 at::Tensor apply(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                  const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format, bool compute_output,
-                 Fp8DelayedScale* gelu_scale) {
+                 Fp8DelayedScale* gelu_scale, Fp8DelayedScale* x_scale) {
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || w_fc.requires_grad() ||
                                                    w_proj.requires_grad() || b_fc.requires_grad());
   return Fp8GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
                              residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt,
                              static_cast<int64_t>(grad_format), grad, compute_output, /*epilogues=*/true,
-                             gelu_scale);
+                             gelu_scale, x_scale);
 }
 
 }  // namespace
 
 at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                               const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
-                              Fp8Format grad_format, bool compute_output, Fp8DelayedScale* gelu_scale) {
+                              Fp8Format grad_format, bool compute_output, Fp8DelayedScale* gelu_scale,
+                              Fp8DelayedScale* x_scale) {
   check_mlp("nn::fp8_gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
   BMT_CHECK(b_fc.defined() && b_proj.defined(), "nn::fp8_gelu_mlp_fused: c_fc and c_proj need biases");
   BMT_CHECK(fused_operands({&w_fc, &b_fc, &w_proj, &b_proj}, x, w_fc, w_proj) &&
@@ -186,12 +191,12 @@ at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const
             "nn::fp8_gelu_mlp_fused: needs operands of one dtype and device and GEMM dimensions that are multiples "
             "of 16 (rows ", x.numel() / std::max<int64_t>(x.size(-1), 1), ", features ", w_fc.size(1), ", ",
             w_fc.size(0), ", ", w_proj.size(0), ")");
-  return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output, gelu_scale);
+  return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output, gelu_scale, x_scale);
 }
 
 at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                         const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format,
-                        bool compute_output, Fp8DelayedScale* gelu_scale) {
+                        bool compute_output, Fp8DelayedScale* gelu_scale, Fp8DelayedScale* x_scale) {
   check_mlp("nn::fp8_gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
   // (under autocast the ops inside would run in another dtype than the backward's operands)
   const bool fused = fp8_scaling() == Fp8Scaling::kTensor && gemm_epilogues_enabled() && x.is_cuda() &&
@@ -200,9 +205,9 @@ at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::T
                      (!residual.defined() || fused_operands({&residual}, x, w_fc, w_proj));
   if (fused)
     return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output,
-                 fp8_delayed_gelu_enabled() ? gelu_scale : nullptr);
+                 fp8_delayed_gelu_enabled() ? gelu_scale : nullptr, fp8_delayed_inputs_enabled() ? x_scale : nullptr);
   const Fp8Scaling scaling = fp8_scaling();
-  const at::Tensor h = at::gelu(fp8_linear(x, w_fc, b_fc, grad_format, scaling), "tanh");
+  const at::Tensor h = at::gelu(fp8_linear(x, w_fc, b_fc, grad_format, scaling, true, x_scale), "tanh");
   const at::Tensor y = fp8_linear(h, w_proj, b_proj, grad_format, scaling, compute_output);
   return residual.defined() ? residual + y : y;
 }

@@ -375,5 +375,63 @@ def fp8_delayed_gelu_scale_from_python():
         bmt.nn.set_fp8_delayed_gelu(prev)
 
 
+@case
+def fp8_delayed_input_scale_from_python():
+    """set_fp8_delayed_inputs(True): bmt.nn.fp8_linear(input_scale=) and bmt.nn.Linear(fp8=True) cast their input with
+    a delayed scale. The first call is the dynamic cast (amax recorded), the second with the same input uses that
+    amax's scale: both bit for bit the call without a scale; a smaller input is cast with the larger window's scale:
+    within FP8 rounding, not equal. Switch off: the scale is not touched. A deep copy of the layer starts afresh."""
+    import copy
+    x0 = rank_input(rank(), ROWS, IN, seed=71)
+    w0, b0 = _w(72)
+    g = rank_input(rank(), ROWS, OUT, seed=73)
+
+    def run(fn, x):
+        xi, w, b = x.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        y = fn(xi, w, b)
+        (y * g).sum().backward()
+        return [y.detach(), xi.grad, w.grad, b.grad]
+
+    dynamic = run(bmt.nn.fp8_linear, x0)
+    prev = bmt.nn.fp8_delayed_inputs()
+    try:
+        bmt.nn.set_fp8_delayed_inputs(False)
+        off = bmt.nn.Fp8DelayedScale()
+        run(lambda *t: bmt.nn.fp8_linear(*t, input_scale=off), x0)
+        if off.ready:
+            raise AssertionError("switch off: the input scale was used")
+        bmt.nn.set_fp8_delayed_inputs(True)
+        if not bmt.nn.fp8_delayed_inputs():
+            raise AssertionError("set_fp8_delayed_inputs(True) did not switch")
+        s = bmt.nn.Fp8DelayedScale()
+        for call in ("first call (dynamic, amax recorded)", "second call (the recorded scale)"):
+            got = run(lambda *t: bmt.nn.fp8_linear(*t, input_scale=s), x0)
+            for i, (a, b) in enumerate(zip(got, dynamic)):
+                assert_equal(f"{call}: output/gradient {i}", a, b)
+        assert_equal("the window's newest amax", s.history[0].cpu(), x0.abs().max().float().cpu())
+        # (not a power of two, which would only move FP8's exponents)
+        half = run(lambda *t: bmt.nn.fp8_linear(*t, input_scale=s), x0 * 0.3)
+        half_dynamic = run(bmt.nn.fp8_linear, x0 * 0.3)
+        if torch.equal(half[0], half_dynamic[0]):
+            raise AssertionError("a smaller input gave the dynamic cast's output: the delayed scale was not used")
+        rel = ((half[0].double() - half_dynamic[0].double()).norm() / half_dynamic[0].double().norm()).item()
+        if rel > 0.05:
+            raise AssertionError(f"a smaller input: output differs by {rel:.3g} (norm) from the dynamic cast's")
+        # the layer keeps its own state (made on first use)
+        layer = bmt.nn.Linear(IN, OUT, dtype=torch.float32, fp8=True)
+        bmt.init_parameters(layer)
+        with torch.no_grad():
+            want = bmt.nn.fp8_linear(x0, layer.weight, layer.bias)
+            for _ in range(2):
+                assert_equal("Linear(fp8) with its delayed input scale", layer(x0), want)
+        if not layer._fp8_input_scale.ready:
+            raise AssertionError("Linear(fp8) did not record its input's amax")
+        twin = copy.deepcopy(layer)
+        if twin._fp8_input_scale.ready or twin._fp8_input_scale is layer._fp8_input_scale:
+            raise AssertionError("a deep copy shares or carries the input scale's window")
+    finally:
+        bmt.nn.set_fp8_delayed_inputs(prev)
+
+
 if __name__ == "__main__":
     main()

@@ -48,17 +48,23 @@ __global__ void __launch_bounds__(kThreads) finish_scale_kernel(const uint32_t* 
 }
 
 template <DType D, Fp8Format F>
-__global__ void __launch_bounds__(kThreads) cast_kernel(const void* x, int64_t numel, bool vec, const float* stats,
+__global__ void __launch_bounds__(kThreads) cast_kernel(const void* x, int64_t numel, bool vec, CastScale cs,
                                                        uint8_t* q) {
   constexpr int V = detail::kVecElems<D>;
-  const float scale = stats[kFp8Scale];
+  const float scale = tensor_scale(cs);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  uint32_t m = 0;
   if (vec) {  // V bytes out per thread: 8 (one 8-byte store) or 4 (one 4-byte store)
-    for (int64_t v = i0; v < numel / V; v += stride) cast_vec<D, F>(x, v * V, scale, q);
+    for (int64_t v = i0; v < numel / V; v += stride) m = max(m, cast_vec<D, F>(x, v * V, scale, q));
   } else {
-    for (int64_t i = i0; i < numel; i += stride) q[i] = to_fp8<F>(detail::load<D>(x, i), scale);
+    for (int64_t i = i0; i < numel; i += stride) {
+      const float e = detail::load<D>(x, i);
+      m = max(m, abs_bits(e));
+      q[i] = to_fp8<F>(e, scale);
+    }
   }
+  fold_amax(cs, m);
 }
 
 unsigned grid_for(int64_t work) {
@@ -66,20 +72,27 @@ unsigned grid_for(int64_t work) {
 }
 
 template <DType D>
-void launch_cast(const void* x, int64_t rows, int64_t cols, const float* stats, Fp8Format f, uint8_t* q, uint8_t* qt,
+void launch_cast(const void* x, int64_t rows, int64_t cols, const CastScale& cs, Fp8Format f, uint8_t* q, uint8_t* qt,
                  cudaStream_t s) {
   const int64_t numel = rows * cols;
   if (!qt) {
     constexpr int V = detail::kVecElems<D>;
     const bool vec = numel % V == 0 && detail::vec_aligned(x) && reinterpret_cast<uintptr_t>(q) % V == 0;
     const unsigned g = grid_for(vec ? numel / V : numel);
-    if (f == Fp8Format::kE4M3) cast_kernel<D, Fp8Format::kE4M3><<<g, kThreads, 0, s>>>(x, numel, vec, stats, q);
-    else cast_kernel<D, Fp8Format::kE5M2><<<g, kThreads, 0, s>>>(x, numel, vec, stats, q);
+    if (f == Fp8Format::kE4M3) cast_kernel<D, Fp8Format::kE4M3><<<g, kThreads, 0, s>>>(x, numel, vec, cs, q);
+    else cast_kernel<D, Fp8Format::kE5M2><<<g, kThreads, 0, s>>>(x, numel, vec, cs, q);
     return;
   }
-  CastScale cs;
-  cs.stats = stats;
   launch_cast_transpose<D, false>(x, rows, cols, cs, f, q, qt, s);
+}
+
+void cast_any(const void* x, DType dtype, int64_t rows, int64_t cols, const CastScale& cs, Fp8Format format,
+              uint8_t* q, uint8_t* qt, cudaStream_t s) {
+  switch (dtype) {
+    case DType::kFloat32: launch_cast<DType::kFloat32>(x, rows, cols, cs, format, q, qt, s); break;
+    case DType::kBFloat16: launch_cast<DType::kBFloat16>(x, rows, cols, cs, format, q, qt, s); break;
+    default: launch_cast<DType::kFloat16>(x, rows, cols, cs, format, q, qt, s); break;
+  }
 }
 
 }  // namespace
@@ -116,13 +129,23 @@ void fp8_cast_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, const
   BMT_CHECK(rows >= 0 && cols >= 0, "fp8_cast_cuda: negative shape [", rows, ", ", cols, "]");
   if (rows == 0 || cols == 0 || (!q && !qt)) return;
   BMT_CHECK(x && stats, "fp8_cast_cuda: null buffer");
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case DType::kFloat32: launch_cast<DType::kFloat32>(x, rows, cols, stats, format, q, qt, s); break;
-    case DType::kBFloat16: launch_cast<DType::kBFloat16>(x, rows, cols, stats, format, q, qt, s); break;
-    default: launch_cast<DType::kFloat16>(x, rows, cols, stats, format, q, qt, s); break;
-  }
+  CastScale cs;
+  cs.stats = stats;
+  cast_any(x, dtype, rows, cols, cs, format, q, qt, static_cast<cudaStream_t>(stream));
   check_launch("fp8_cast_cuda");
+}
+
+void fp8_cast_delayed_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, const float* scale,
+                           float* amax_io, Fp8Format format, uint8_t* q, uint8_t* qt, void* stream) {
+  check_dtype(dtype, "fp8_cast_delayed_cuda");
+  BMT_CHECK(rows >= 0 && cols >= 0, "fp8_cast_delayed_cuda: negative shape [", rows, ", ", cols, "]");
+  if (rows == 0 || cols == 0 || (!q && !qt)) return;
+  BMT_CHECK(x && scale && amax_io, "fp8_cast_delayed_cuda: null buffer");
+  CastScale cs;
+  cs.scale = scale;
+  cs.amax_fold = reinterpret_cast<uint32_t*>(amax_io);  // (a non-negative float's bits order as the float)
+  cast_any(x, dtype, rows, cols, cs, format, q, qt, static_cast<cudaStream_t>(stream));
+  check_launch("fp8_cast_delayed_cuda");
 }
 
 }  // namespace bmt::core::kernels

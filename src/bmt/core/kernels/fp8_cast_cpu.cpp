@@ -117,6 +117,18 @@ void fp8_cast_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, const 
   }
 }
 
+void fp8_cast_delayed_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, const float* scale, float* amax_io,
+                          Fp8Format format, uint8_t* q, uint8_t* qt) {
+  BMT_CHECK(rows >= 0 && cols >= 0, "fp8_cast_delayed_cpu: negative shape [", rows, ", ", cols, "]");
+  BMT_CHECK(scale && amax_io, "fp8_cast_delayed_cpu: null scale or amax");
+  float stats[3];
+  fp8_scale_cpu(x, dtype, rows * cols, format, stats);  // (only its amax is used: the scale is the given one)
+  const float amax = stats[kFp8Amax];
+  if (std::isnan(amax) || (!std::isnan(*amax_io) && amax > *amax_io)) *amax_io = amax;
+  stats[kFp8Scale] = *scale;
+  fp8_cast_cpu(x, dtype, rows, cols, stats, format, q, qt);
+}
+
 void fp8_cast_rowwise_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q,
                           float* q_inv, uint8_t* qt, float* qt_inv) {
   check_dtype(dtype, "fp8_cast_rowwise_cpu");

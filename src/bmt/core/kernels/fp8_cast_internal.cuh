@@ -24,16 +24,18 @@ constexpr int kVecTile = 64, kGroup = 8, kVecThreads = 256;  // 8-wide transposi
 
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(fabsf(v)); }
 
-// The maximum over the block (blockDim.x threads, a multiple of 32); valid in thread 0. One call per kernel.
+// The maximum over the block (blockDim.x * blockDim.y threads, a multiple of 32, x fastest); valid in thread 0.
+// One call per kernel.
 __device__ __forceinline__ uint32_t block_max(uint32_t v) {
   __shared__ uint32_t warp_max[32];
   for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int tid = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
+  const int lane = tid % 32, warp = tid / 32;
   if (lane == 0) warp_max[warp] = v;
   __syncthreads();
   v = 0;
   if (warp == 0) {
-    if (lane < static_cast<int>(blockDim.x / 32)) v = warp_max[lane];
+    if (lane < static_cast<int>(blockDim.x * blockDim.y / 32)) v = warp_max[lane];
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
   }
   return v;
@@ -58,19 +60,22 @@ __device__ __forceinline__ uint8_t to_fp8(float v, float scale) {
 }
 
 // The kVecElems<D> elements of x at element i (a multiple of it, aligned) cast into q[i..]: one 8- or 4-byte store.
+// Returns their max |x| (bits).
 template <DType D, Fp8Format F>
-__device__ __forceinline__ void cast_vec(const void* x, int64_t i, float scale, uint8_t* q) {
+__device__ __forceinline__ uint32_t cast_vec(const void* x, int64_t i, float scale, uint8_t* q) {
   constexpr int V = detail::kVecElems<D>;
   float e[V];
   detail::load_vec<D>(x, i, e);
   uint8_t b[V];
+  uint32_t m = 0;
 #pragma unroll
-  for (int k = 0; k < V; ++k) b[k] = to_fp8<F>(e[k], scale);
+  for (int k = 0; k < V; ++k) b[k] = to_fp8<F>(e[k], scale), m = max(m, abs_bits(e[k]));
   if constexpr (V == 8) {
     *reinterpret_cast<uint2*>(q + i) = *reinterpret_cast<const uint2*>(b);
   } else {
     *reinterpret_cast<uint32_t*>(q + i) = *reinterpret_cast<const uint32_t*>(b);
   }
+  return m;
 }
 
 template <DType D>
@@ -88,12 +93,25 @@ __device__ __forceinline__ void load8(const void* x, int64_t i, float (&e)[kGrou
 
 // How a transposing cast scales: by the tensor's statistics (per tensor), or each column by its own maximum
 // (col_max, bits of |x|), the column's inverse scale then written to col_inv by the tiles of the first tile row.
+// Delayed scaling (per tensor only): the scale at `scale` instead of stats[kFp8Scale], and each block's max |x|
+// folded into amax_fold (bits of a non-negative float, so an unsigned atomicMax orders them; a NaN wins).
 struct CastScale {
   const float* stats = nullptr;
   const uint32_t* col_max = nullptr;
   float fp8_max = 0.0f;
   float* col_inv = nullptr;
+  const float* scale = nullptr;
+  uint32_t* amax_fold = nullptr;
 };
+
+__device__ __forceinline__ float tensor_scale(const CastScale& cs) { return cs.scale ? *cs.scale : cs.stats[kFp8Scale]; }
+
+// The block's maximum into cs.amax_fold (every thread of the block calls it, after its last use of shared tiles).
+__device__ __forceinline__ void fold_amax(const CastScale& cs, uint32_t m) {
+  if (!cs.amax_fold) return;  // (uniform over the block)
+  m = block_max(m);
+  if ((threadIdx.x | threadIdx.y) == 0 && m) atomicMax(cs.amax_fold, m);
+}
 
 // The tile's column scales in shared memory (per-column mode); the first tile row also publishes the inverses.
 template <int kWidth>
@@ -120,13 +138,16 @@ __global__ void __launch_bounds__(kTile * kTileRows) cast_transpose_kernel(const
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile, c0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int tx = threadIdx.x, ty = threadIdx.y;
   float scale = 0.0f;
+  uint32_t m = 0;
   if constexpr (kPerColumn) load_column_scales<kTile>(cs, c0, cols, ty * kTile + tx, kTile * kTileRows, col_scale);
-  else scale = cs.stats[kFp8Scale];
+  else scale = tensor_scale(cs);
 #pragma unroll
   for (int j = ty; j < kTile; j += kTileRows) {
     const int64_t r = r0 + j, c = c0 + tx;
     if (r < rows && c < cols) {
-      const uint8_t b = to_fp8<F>(detail::load<D>(x, r * cols + c), kPerColumn ? col_scale[tx] : scale);
+      const float v = detail::load<D>(x, r * cols + c);
+      m = max(m, abs_bits(v));
+      const uint8_t b = to_fp8<F>(v, kPerColumn ? col_scale[tx] : scale);
       if (q) q[r * cols + c] = b;
       tile[j][tx] = b;
     }
@@ -137,6 +158,7 @@ __global__ void __launch_bounds__(kTile * kTileRows) cast_transpose_kernel(const
     const int64_t c = c0 + j, r = r0 + tx;
     if (r < rows && c < cols) qt[c * rows + r] = tile[tx][j];
   }
+  fold_amax(cs, m);  // (per column: amax_fold is null)
 }
 
 // Rows and columns multiples of 8, buffers aligned: 64 x 64 tiles, 8 consecutive elements of a row per access
@@ -149,8 +171,9 @@ __global__ void __launch_bounds__(kVecThreads) cast_transpose_vec_kernel(const v
   __shared__ float col_scale[kVecTile];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kVecTile, c0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
   float scale = 0.0f;
+  uint32_t m = 0;
   if constexpr (kPerColumn) load_column_scales<kVecTile>(cs, c0, cols, threadIdx.x, kVecThreads, col_scale);
-  else scale = cs.stats[kFp8Scale];
+  else scale = tensor_scale(cs);
   constexpr int kGroups = kVecTile * kVecTile / kGroup, kPerRow = kVecTile / kGroup;
 #pragma unroll
   for (int g = threadIdx.x; g < kGroups; g += kVecThreads) {
@@ -160,6 +183,8 @@ __global__ void __launch_bounds__(kVecThreads) cast_transpose_vec_kernel(const v
       float e[kGroup];
       load8<D>(x, r * cols + c, e);
       uint32_t w[2] = {0, 0};
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) m = max(m, abs_bits(e[k]));
 #pragma unroll
       for (int k = 0; k < kGroup; ++k)
         w[k / 4] |= static_cast<uint32_t>(to_fp8<F>(e[k], kPerColumn ? col_scale[lc + k] : scale)) << (8 * (k % 4));
@@ -180,6 +205,7 @@ __global__ void __launch_bounds__(kVecThreads) cast_transpose_vec_kernel(const v
       *reinterpret_cast<uint2*>(qt + c * rows + r) = make_uint2(w[0], w[1]);
     }
   }
+  fold_amax(cs, m);  // (per column: amax_fold is null)
 }
 
 // The transposed copy qt (and q, per tensor only) in one pass over x; the 8-wide kernel where it applies.

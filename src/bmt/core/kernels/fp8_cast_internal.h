@@ -64,6 +64,15 @@ void fp8_cast_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, const
 void fp8_cast_rowwise_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q,
                            float* q_inv, uint8_t* qt, float* qt_inv, uint32_t* workspace, void* stream);
 
+// Delayed scaling's cast (fp8_delayed_scale_internal.h): q and / or qt as fp8_cast_* write them, but with the scale
+// *scale (device memory for the CUDA variant, known before x exists), and max |x| folded into *amax_io in the same
+// pass over x (*amax_io = max(*amax_io, amax), a NaN above every number, as fp8_scale_* order them). The amax pass
+// of a dynamic cast is gone; the delayed state's record then turns *amax_io into the next scale.
+void fp8_cast_delayed_cpu(const void* x, DType dtype, int64_t rows, int64_t cols, const float* scale, float* amax_io,
+                          Fp8Format format, uint8_t* q, uint8_t* qt);
+void fp8_cast_delayed_cuda(const void* x, DType dtype, int64_t rows, int64_t cols, const float* scale,
+                           float* amax_io, Fp8Format format, uint8_t* q, uint8_t* qt, void* stream);
+
 // qt (cols x rows) = the transpose of q (rows x cols, row-major), byte for byte: the transposed copy of FP8 bytes a
 // producer wrote itself (a GEMM's FP8 output), which the wgrad GEMM needs K-major.
 void fp8_transpose_cpu(const uint8_t* q, int64_t rows, int64_t cols, uint8_t* qt);
