@@ -4,7 +4,6 @@
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/core/kernels/fp8_delayed_scale_internal.h"
-#include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
 #include "bmt/runtime/env_switch_internal.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
@@ -19,51 +18,11 @@ namespace {
 namespace k = core::kernels;
 
 EnvSwitch g_delayed_gelu("BMT_FP8_DELAYED_GELU", false);
-EnvSwitch g_delayed_inputs("BMT_FP8_DELAYED_INPUTS", false);
 
 }  // namespace
 
 bool fp8_delayed_gelu_enabled() { return g_delayed_gelu.enabled(); }
 void set_fp8_delayed_gelu_enabled(bool enabled) { g_delayed_gelu.set(enabled); }
-bool fp8_delayed_inputs_enabled() { return g_delayed_inputs.enabled(); }
-void set_fp8_delayed_inputs_enabled(bool enabled) { g_delayed_inputs.set(enabled); }
-
-Fp8Tensor fp8_cast_delayed(const at::Tensor& matrix, Fp8DelayedScale& state, bool row_major, bool transposed) {
-  BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast_delayed: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
-  if (!state.ready()) {  // (the first call: a dynamic cast, its amax the state's first record)
-    Fp8Tensor r = fp8_cast(matrix, state.format(), row_major, transposed);
-    state.record_amax(r.stats.select(0, k::kFp8Amax));
-    return r;
-  }
-  const at::Tensor m = matrix.contiguous();
-  BMT_CHECK(m.scalar_type() == at::kFloat || m.scalar_type() == at::kBFloat16 || m.scalar_type() == at::kHalf,
-            "nn::fp8_cast_delayed: dtype ", m.scalar_type(), " is not fp32, bf16 or fp16");
-  BMT_CHECK(state.scale().device() == m.device(), "nn::fp8_cast_delayed: the delayed scale is on ",
-            state.scale().device(), ", the tensor on ", m.device(), " (one state per tensor and device)");
-  const int64_t rows = m.size(0), cols = m.size(1);
-  const auto opts = m.options().dtype(fp8_dtype(state.format()));
-  Fp8Tensor r;
-  if (row_major) r.data = at::empty({rows, cols}, opts);
-  if (transposed) r.data_t = at::empty({cols, rows}, opts);
-  auto* q = row_major ? static_cast<uint8_t*>(r.data.data_ptr()) : nullptr;
-  auto* qt = transposed ? static_cast<uint8_t*>(r.data_t.data_ptr()) : nullptr;
-  const core::DType dt = to_core_dtype(m.scalar_type());
-  const k::Fp8Format f = core_format(state.format());
-  const float* scale = state.scale().data_ptr<float>();
-  float* amax = state.amax().data_ptr<float>();
-  if (!m.is_cuda()) {
-    k::fp8_cast_delayed_cpu(m.data_ptr(), dt, rows, cols, scale, amax, f, q, qt);
-  } else {
-#ifdef BMT_WITH_CUDA
-    c10::cuda::CUDAGuard guard(m.device());
-    k::fp8_cast_delayed_cuda(m.data_ptr(), dt, rows, cols, scale, amax, f, q, qt, current_stream_handle(m));
-#else
-    BMT_ERROR("nn::fp8_cast_delayed: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
-#endif
-  }
-  r.inv = state.record();
-  return r;
-}
 
 Fp8DelayedScale::Fp8DelayedScale(int64_t history_len, Fp8Format format) : len_(history_len), format_(format) {
   BMT_CHECK(history_len >= 1, "nn::Fp8DelayedScale: history_len must be at least 1, got ", history_len);

@@ -10,7 +10,7 @@
 
 #include <ATen/ATen.h>
 
-#include "bmt/nn/fp8_linear.h"
+#include "bmt/nn/fp8_format.h"
 
 namespace bmt::nn {
 
@@ -44,18 +44,6 @@ class Fp8DelayedScale {
   at::Tensor history_, scale_, inv_, amax_;
   int64_t records_ = 0;
 };
-
-// A GEMM input cast to FP8 with a delayed scale (per-tensor scaling): the cast kernel takes state.scale() and folds the
-// tensor's amax into the state in the same pass, so the dynamic cast's amax pass over the bf16 tensor is gone; the
-// call's inverse scale is state.record()'s. Before the state's first record: a dynamic cast whose amax is recorded.
-// The FP8 linears' inputs use it when given a state and fp8_delayed_inputs_enabled() (nn::Linear owns one:
-// LinearImpl::fp8_input_scale).
-Fp8Tensor fp8_cast_delayed(const at::Tensor& matrix, Fp8DelayedScale& state, bool row_major, bool transposed);
-
-// The FP8 linears' inputs by fp8_cast_delayed where a layer passes its state: BMT_FP8_DELAYED_INPUTS=1 | 0 (the
-// default), or set here. Off until measured: as the delayed GELU output, an input above its scale's range saturates.
-bool fp8_delayed_inputs_enabled();
-void set_fp8_delayed_inputs_enabled(bool enabled);
 
 // The FP8 MLP's GELU output by c_fc's GEMM in E4M3 with a delayed scale (when the MLP is given an Fp8DelayedScale):
 // BMT_FP8_DELAYED_GELU=1 | 0 (the default), or set here. Off until measured on a GPU: it changes the numerics (a

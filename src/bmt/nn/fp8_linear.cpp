@@ -35,6 +35,8 @@ EnvSwitch g_amax_from_sum("BMT_FP8_AMAX_FROM_SUM", true);
 // BMT_FP8_DGELU_FUSED: the FP8 MLP's GELU gradient, bias gradient and amax by one kernel (on: its CUDA tests passed on
 // an H100 in session 25, +1% at gpt-1.3b); =0: torch's gelu_backward, then the column sum and the cast
 EnvSwitch g_dgelu_fused("BMT_FP8_DGELU_FUSED", true);
+// BMT_FP8_DELAYED_INPUTS: the linears' inputs cast with their delayed scales (off until measured on a GPU)
+EnvSwitch g_delayed_inputs("BMT_FP8_DELAYED_INPUTS", false);
 EnvChoice<Fp8Scaling, 2> g_scaling("BMT_FP8_SCALING", {{{"tensor", Fp8Scaling::kTensor}, {"row", Fp8Scaling::kRow}}});
 
 bool supported_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
@@ -120,10 +122,6 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
 };
 
 }  // namespace
-
-k::Fp8Format core_format(Fp8Format f) { return f == Fp8Format::kE4M3 ? k::Fp8Format::kE4M3 : k::Fp8Format::kE5M2; }
-
-at::ScalarType fp8_dtype(Fp8Format f) { return f == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2; }
 
 // a [m, k] row-major x b [n, k] row-major (= the column-major [k, n] operand _scaled_mm wants), dequantised by the
 // operands' inverse scales (0-dim: per tensor; [m] and [n]: per row), into out_dtype. Fast accumulation only in the
@@ -279,6 +277,43 @@ Fp8Tensor fp8_cast_dgelu_grad(Fp8Scaling scaling, at::Tensor dmid, const at::Ten
   return fp8_cast_grad(scaling, dpre, format, row_major, transposed, db, sum_dtype);
 }
 
+Fp8Tensor fp8_cast_delayed(const at::Tensor& matrix, Fp8DelayedScale& state, bool row_major, bool transposed) {
+  BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast_delayed: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
+  if (!state.ready()) {  // (the first call: a dynamic cast, its amax the state's first record)
+    Fp8Tensor r = fp8_cast(matrix, state.format(), row_major, transposed);
+    state.record_amax(r.stats.select(0, k::kFp8Amax));
+    return r;
+  }
+  const at::Tensor m = matrix.contiguous();
+  BMT_CHECK(m.scalar_type() == at::kFloat || m.scalar_type() == at::kBFloat16 || m.scalar_type() == at::kHalf,
+            "nn::fp8_cast_delayed: dtype ", m.scalar_type(), " is not fp32, bf16 or fp16");
+  BMT_CHECK(state.scale().device() == m.device(), "nn::fp8_cast_delayed: the delayed scale is on ",
+            state.scale().device(), ", the tensor on ", m.device(), " (one state per tensor and device)");
+  const int64_t rows = m.size(0), cols = m.size(1);
+  const auto opts = m.options().dtype(fp8_dtype(state.format()));
+  Fp8Tensor r;
+  if (row_major) r.data = at::empty({rows, cols}, opts);
+  if (transposed) r.data_t = at::empty({cols, rows}, opts);
+  auto* q = row_major ? static_cast<uint8_t*>(r.data.data_ptr()) : nullptr;
+  auto* qt = transposed ? static_cast<uint8_t*>(r.data_t.data_ptr()) : nullptr;
+  const core::DType dt = to_core_dtype(m.scalar_type());
+  const k::Fp8Format f = core_format(state.format());
+  const float* scale = state.scale().data_ptr<float>();
+  float* amax = state.amax().data_ptr<float>();
+  if (!m.is_cuda()) {
+    k::fp8_cast_delayed_cpu(m.data_ptr(), dt, rows, cols, scale, amax, f, q, qt);
+  } else {
+#ifdef BMT_WITH_CUDA
+    c10::cuda::CUDAGuard guard(m.device());
+    k::fp8_cast_delayed_cuda(m.data_ptr(), dt, rows, cols, scale, amax, f, q, qt, current_stream_handle(m));
+#else
+    BMT_ERROR("nn::fp8_cast_delayed: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
+#endif
+  }
+  r.inv = state.record();
+  return r;
+}
+
 Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_major, bool transposed) {
   BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast_rowwise: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
   BMT_CHECK(supported_dtype(matrix.scalar_type()), "nn::fp8_cast_rowwise: dtype ", matrix.scalar_type(),
@@ -369,6 +404,10 @@ void set_fp8_grad_format(Fp8Format format) { g_grad_format.set(format); }
 bool fp8_dgelu_fused_enabled() { return g_dgelu_fused.enabled(); }
 
 void set_fp8_dgelu_fused_enabled(bool enabled) { g_dgelu_fused.set(enabled); }
+
+bool fp8_delayed_inputs_enabled() { return g_delayed_inputs.enabled(); }
+
+void set_fp8_delayed_inputs_enabled(bool enabled) { g_delayed_inputs.set(enabled); }
 
 Fp8Scaling fp8_scaling() { return g_scaling.get(); }
 

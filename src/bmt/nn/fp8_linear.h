@@ -23,10 +23,10 @@
 
 #include <ATen/ATen.h>
 
+#include "bmt/nn/fp8_format.h"
+
 namespace bmt::nn {
 
-enum class Fp8Format { kE4M3, kE5M2 };
-enum class Fp8Scaling { kTensor, kRow };
 class Fp8DelayedScale;
 
 // y = x weight^T + bias (bias may be undefined) with FP8 GEMMs; grad_format: the gradient dy's format.
@@ -69,6 +69,13 @@ Fp8Tensor fp8_cast(const at::Tensor& matrix, Fp8Format format, bool rowwise, boo
 // matrix by its own amax).
 Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_major, bool transposed);
 
+// A GEMM input cast to FP8 with a delayed scale (nn/fp8_delayed_scale.h; per-tensor scaling): the cast kernel takes
+// state.scale() and folds the tensor's amax into the state in the same pass, so the dynamic cast's amax pass over the
+// bf16 tensor is gone; the call's inverse scale is state.record()'s. Before the state's first record: a dynamic cast
+// whose amax is recorded. The FP8 linears' inputs use it when given a state and fp8_delayed_inputs_enabled()
+// (nn::Linear owns one: LinearImpl::fp8_input_scale).
+Fp8Tensor fp8_cast_delayed(const at::Tensor& matrix, Fp8DelayedScale& state, bool row_major, bool transposed);
+
 // The default gradient format of nn::Linear's FP8 path: BMT_FP8_GRAD=e5m2 (default) | e4m3, or set here.
 Fp8Format fp8_grad_format();
 void set_fp8_grad_format(Fp8Format format);
@@ -76,6 +83,10 @@ void set_fp8_grad_format(Fp8Format format);
 // BMT_FP8_DGELU_FUSED=1 (the default) | 0 (torch's gelu_backward, then the column sum), or set here.
 bool fp8_dgelu_fused_enabled();
 void set_fp8_dgelu_fused_enabled(bool enabled);
+// The FP8 linears' inputs by fp8_cast_delayed where a layer passes its state: BMT_FP8_DELAYED_INPUTS=1 | 0 (the
+// default), or set here. Off until measured: as the delayed GELU output, an input above its scale's range saturates.
+bool fp8_delayed_inputs_enabled();
+void set_fp8_delayed_inputs_enabled(bool enabled);
 // The default scaling of nn::Linear's FP8 path: BMT_FP8_SCALING=tensor (default) | row, or set here.
 Fp8Scaling fp8_scaling();
 void set_fp8_scaling(Fp8Scaling scaling);

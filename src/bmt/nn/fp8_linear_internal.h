@@ -10,10 +10,6 @@
 
 namespace bmt::nn {
 
-// The core kernels' FP8 format, and torch's float8 dtype, of a format.
-core::kernels::Fp8Format core_format(Fp8Format f);
-at::ScalarType fp8_dtype(Fp8Format f);
-
 // a [m, k] x b [n, k]^T (both row-major FP8), dequantised by the inverse scales (0-dim: per tensor; [m] and [n]:
 // per row) into out_dtype, bias added (in the GEMM's epilogue where cuBLASLt takes it). fast_accum: forward only.
 at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at::Tensor& b, const at::Tensor& b_inv,
