@@ -45,7 +45,7 @@ at::Tensor GptAttentionImpl::forward(const at::Tensor& x, const at::Tensor& shap
   if (bmt::nn::Linear proj = c_proj.dense()) {
     if (proj->fp8)
       return bmt::nn::fp8_linear_residual(rows, bmt::gathered(proj->weight), bmt::gathered(proj->bias), residual,
-                                          bmt::nn::fp8_grad_format(), bmt::nn::fp8_scaling(), &proj->fp8_input_scale);
+                                          bmt::nn::fp8_grad_format(), bmt::nn::fp8_scaling(), &proj->fp8_scales);
     return bmt::nn::linear_residual(rows, bmt::gathered(proj->weight), bmt::gathered(proj->bias), residual);
   }
   return residual + c_proj.forward(rows);  // (row-parallel: the add follows the reduction over tp)
@@ -61,13 +61,13 @@ at::Tensor GptMlpImpl::forward(const at::Tensor& x, const at::Tensor& residual, 
   if (fc && proj && fc->fp8 && proj->fp8)  // FP8 GEMMs with GELU, its gradient and the residual in epilogues
     return bmt::nn::fp8_gelu_mlp(x, bmt::gathered(fc->weight), bmt::gathered(fc->bias), bmt::gathered(proj->weight),
                                  bmt::gathered(proj->bias), residual, bmt::nn::fp8_grad_format(), compute_output,
-                                 &gelu_scale, &fc->fp8_input_scale);
+                                 &gelu_scale, &fc->fp8_scales, &proj->fp8_scales);
   if (fc && proj && (fc->fp8 || proj->fp8)) {  // one of the two in FP8: separate GELU and residual add
     const at::Tensor h = at::gelu(fc->forward(x), "tanh");
     if (compute_output || !proj->fp8) return residual + proj->forward(h);
     // the recompute's tail: c_proj's node without its GEMM (the add stays: it carries the residual's gradient)
     return residual + bmt::nn::linear_or_fp8(h, bmt::gathered(proj->weight), bmt::gathered(proj->bias), true, false,
-                                             &proj->fp8_input_scale);
+                                             &proj->fp8_scales);
   }
   if (fc && proj)
     return bmt::nn::gelu_mlp(x, bmt::gathered(fc->weight), bmt::gathered(fc->bias), bmt::gathered(proj->weight),

@@ -88,22 +88,22 @@ void bind_nn(py::module_& m) {
       [opt, grad_format, scaling](const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias, const std::optional<std::string>& grad,
                                   const std::optional<std::string>& scale_by, bool compute,
-                                  bmt::nn::Fp8DelayedScale* input_scale) {
-        return bmt::nn::fp8_linear(x, weight, opt(bias), grad_format(grad), scaling(scale_by), compute, input_scale);
+                                  bmt::nn::Fp8LinearScales* scales) {
+        return bmt::nn::fp8_linear(x, weight, opt(bias), grad_format(grad), scaling(scale_by), compute, scales);
       },
       py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("grad_format") = py::none(),
-      py::arg("scaling") = py::none(), py::arg("compute") = true, py::arg("input_scale") = py::none(),
+      py::arg("scaling") = py::none(), py::arg("compute") = true, py::arg("scales") = py::none(),
       py::call_guard<py::gil_scoped_release>());
   nn.def(
       "fp8_linear_residual",
       [opt, grad_format, scaling](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                   const at::Tensor& residual, const std::optional<std::string>& grad,
-                                  const std::optional<std::string>& scale_by, bmt::nn::Fp8DelayedScale* input_scale) {
+                                  const std::optional<std::string>& scale_by, bmt::nn::Fp8LinearScales* scales) {
         return bmt::nn::fp8_linear_residual(x, weight, opt(bias), residual, grad_format(grad), scaling(scale_by),
-                                            input_scale);
+                                            scales);
       },
       py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("grad_format") = py::none(),
-      py::arg("scaling") = py::none(), py::arg("input_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
+      py::arg("scaling") = py::none(), py::arg("scales") = py::none(), py::call_guard<py::gil_scoped_release>());
   // The delayed scale of the FP8 MLP's GELU output (nn/fp8_delayed_scale.h): the caller keeps one per MLP across
   // steps and passes it to fp8_gelu_mlp (used on its fused CUDA path when fp8_delayed_gelu() is on).
   using DelayedScale = bmt::nn::Fp8DelayedScale;
@@ -132,6 +132,18 @@ void bind_nn(py::module_& m) {
       .def("__deepcopy__", [](const DelayedScale& s, const py::dict&) {
         return std::make_shared<DelayedScale>(s.history_len(), s.format());
       });
+  // One FP8 linear's delayed scales (its input's and its weight's), as nn::Linear keeps them.
+  using LinearScales = bmt::nn::Fp8LinearScales;
+  py::class_<LinearScales, std::shared_ptr<LinearScales>>(
+      nn, "Fp8LinearScales",
+      "Fp8LinearScales(): the delayed scales of one FP8 linear's forward operands, input and weight (each an "
+      "Fp8DelayedScale of 16 calls, E4M3), for fp8_linear(scales=) under set_fp8_delayed_inputs(True). Not in BMTrain.")
+      .def(py::init([] { return std::make_shared<LinearScales>(); }))
+      .def_property_readonly("input", [](LinearScales& s) -> DelayedScale& { return s.input; },
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("weight", [](LinearScales& s) -> DelayedScale& { return s.weight; },
+                             py::return_value_policy::reference_internal)
+      .def("__deepcopy__", [](const LinearScales&, const py::dict&) { return std::make_shared<LinearScales>(); });
   nn.def("fp8_delayed_gelu", &bmt::nn::fp8_delayed_gelu_enabled);
   nn.def("set_fp8_delayed_gelu", &bmt::nn::set_fp8_delayed_gelu_enabled, py::arg("enabled"));
   nn.def("fp8_delayed_inputs", &bmt::nn::fp8_delayed_inputs_enabled);
@@ -140,7 +152,7 @@ void bind_nn(py::module_& m) {
   // epilogue GEMMs' fp64 twin; for tests).
   using MlpFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, bmt::nn::Fp8Format, bool, DelayedScale*,
-                               DelayedScale*);
+                               LinearScales*, LinearScales*);
   for (const auto& [name, fn] : {std::pair<const char*, MlpFn>{"fp8_gelu_mlp", &bmt::nn::fp8_gelu_mlp},
                                  std::pair<const char*, MlpFn>{"fp8_gelu_mlp_fused", &bmt::nn::fp8_gelu_mlp_fused}}) {
     nn.def(
@@ -148,13 +160,14 @@ void bind_nn(py::module_& m) {
         [opt, grad_format, fn = fn](const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                                     const at::Tensor& w_proj, const at::Tensor& b_proj,
                                     const std::optional<at::Tensor>& residual, const std::optional<std::string>& grad,
-                                    DelayedScale* gelu_scale, DelayedScale* input_scale) {
+                                    DelayedScale* gelu_scale, LinearScales* fc_scales, LinearScales* proj_scales) {
           return fn(x, w_fc, b_fc, w_proj, b_proj, opt(residual), grad_format(grad), /*compute_output=*/true,
-                    gelu_scale, input_scale);
+                    gelu_scale, fc_scales, proj_scales);
         },
         py::arg("input"), py::arg("w_fc"), py::arg("b_fc"), py::arg("w_proj"), py::arg("b_proj"),
         py::arg("residual") = py::none(), py::arg("grad_format") = py::none(), py::arg("gelu_scale") = py::none(),
-        py::arg("input_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("fc_scales") = py::none(), py::arg("proj_scales") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   }
   nn.def("fp8_linear_applies", &bmt::nn::fp8_linear_applies, py::arg("input"), py::arg("weight"));
   nn.def("fp8_grad_format", [format_name] { return format_name(bmt::nn::fp8_grad_format()); });

@@ -299,11 +299,15 @@ struct LinearRun {
 };
 
 LinearRun run_linear(const at::Tensor& x0, const at::Tensor& w0, const at::Tensor& b0, const at::Tensor& g,
-                     Fp8DelayedScale* scale) {
+                     bmt::nn::Fp8LinearScales* scales) {
   at::Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
-  const at::Tensor y = bmt::nn::fp8_linear(x, w, b, Fp8Format::kE5M2, bmt::nn::Fp8Scaling::kTensor, true, scale);
+  const at::Tensor y = bmt::nn::fp8_linear(x, w, b, Fp8Format::kE5M2, bmt::nn::Fp8Scaling::kTensor, true, scales);
   y.backward(g);
   return {y.detach(), x.grad(), w.grad(), b.grad()};
+}
+
+bool same(const LinearRun& a, const LinearRun& b) {
+  return at::equal(a.y, b.y) && at::equal(a.dx, b.dx) && at::equal(a.dw, b.dw) && at::equal(a.db, b.db);
 }
 
 // Restores the process-wide switch however the test ends.
@@ -314,51 +318,61 @@ struct DelayedInputsOn {
 
 }  // namespace
 
-TEST(Fp8DelayedInputs, LinearAndMlpCastTheirInputWithTheDelayedScale) {
+TEST(Fp8DelayedInputs, LinearAndMlpCastTheirOperandsWithTheDelayedScales) {
   at::manual_seed(61);
   const at::Tensor x = at::randn({32, 48}), w = at::randn({64, 48}) * 0.2, b = at::randn({64}) * 0.1;
   const at::Tensor g = at::randn({32, 64});
   const LinearRun dyn = run_linear(x, w, b, g, nullptr);
-  Fp8DelayedScale off(4);
+  bmt::nn::Fp8LinearScales off;
   run_linear(x, w, b, g, &off);
-  EXPECT_FALSE(off.ready()) << "switch off (the default): the state is not used";
+  EXPECT_FALSE(off.input.ready() || off.weight.ready()) << "switch off (the default): the states are not used";
   DelayedInputsOn on;
-  Fp8DelayedScale s(4);
-  for (const char* call : {"first call (dynamic)", "second call (delayed, the same scale)"}) {
-    const LinearRun r = run_linear(x, w, b, g, &s);
-    EXPECT_TRUE(at::equal(r.y, dyn.y) && at::equal(r.dx, dyn.dx) && at::equal(r.dw, dyn.dw) && at::equal(r.db, dyn.db))
-        << call;
-  }
-  EXPECT_EQ(s.history()[1].item<float>(), x.abs().max().item<float>());
-  // smaller inputs: the window's larger amax scales them, within FP8 rounding of the dynamic path and not equal (not
-  // a power of two, which would only move FP8's exponents)
+  bmt::nn::Fp8LinearScales s;
+  // first call: dynamic casts, amaxes recorded; second: the recorded scales are the dynamic ones, and dgrad reads the
+  // weight's transposed copy the forward's delayed cast wrote: every output and gradient bit for bit
+  for (const char* call : {"first call (dynamic)", "second call (delayed, the same scales)"})
+    EXPECT_TRUE(same(run_linear(x, w, b, g, &s), dyn)) << call;
+  EXPECT_EQ(s.input.history()[1].item<float>(), x.abs().max().item<float>());
+  EXPECT_EQ(s.weight.history()[1].item<float>(), w.abs().max().item<float>());
+  // smaller inputs (not a power of two, which would only move FP8's exponents): the window's larger amax scales them,
+  // within FP8 rounding of the dynamic path and not equal; dx does not read x
   const at::Tensor xs = x * 0.3;
   const LinearRun dyn_small = run_linear(xs, w, b, g, nullptr), del_small = run_linear(xs, w, b, g, &s);
   EXPECT_FALSE(at::equal(del_small.y, dyn_small.y));
   EXPECT_LT(rel_diff(del_small.y, dyn_small.y), 0.08);
   EXPECT_LT(rel_diff(del_small.dw, dyn_small.dw), 0.08);
-  EXPECT_TRUE(at::equal(del_small.dx, dyn_small.dx)) << "dx does not read x's bytes";
-  // the residual form takes the same state
-  Fp8DelayedScale sr(4);
+  EXPECT_TRUE(at::equal(del_small.dx, dyn_small.dx));
+  // a smaller weight: its delayed scale too, in the forward and in dgrad's transposed copy
+  const at::Tensor ws = w * 0.3;
+  const LinearRun dyn_w = run_linear(x, ws, b, g, nullptr), del_w = run_linear(x, ws, b, g, &s);
+  EXPECT_FALSE(at::equal(del_w.y, dyn_w.y) || at::equal(del_w.dx, dyn_w.dx));
+  EXPECT_LT(rel_diff(del_w.y, dyn_w.y), 0.08);
+  EXPECT_LT(rel_diff(del_w.dx, dyn_w.dx), 0.08);
+  // the residual form takes the same states
+  bmt::nn::Fp8LinearScales sr;
   const at::Tensor res = at::randn({32, 64});
   for (int i = 0; i < 2; ++i)
     EXPECT_TRUE(at::equal(bmt::nn::fp8_linear_residual(x, w, b, res, Fp8Format::kE5M2, bmt::nn::Fp8Scaling::kTensor,
                                                        &sr),
                           dyn.y + res));
-  EXPECT_TRUE(sr.ready());
-  // the FP8 MLP's input: the fused function with x's state, bit for bit the dynamic path on the first two calls
+  EXPECT_TRUE(sr.input.ready() && sr.weight.ready());
+  // the FP8 MLP: the fused function with c_fc's and c_proj's states, bit for bit the dynamic path on the first two
+  // calls (every gradient: the weights' transposed copies are the forward's)
   const int64_t hidden = 64;
   const at::Tensor w1 = at::randn({hidden, 48}) * 0.2, b1 = at::randn({hidden}) * 0.1;
   const at::Tensor w2 = at::randn({48, hidden}) * 0.1, b2 = at::randn({48}) * 0.1, gm = at::randn({32, 48});
   const MlpRun mdyn = run_mlp(x, w1, b1, w2, b2, gm, nullptr);
-  Fp8DelayedScale sx(4);
+  bmt::nn::Fp8LinearScales fc, proj;
   for (const char* call : {"MLP first call", "MLP second call"}) {
     at::Tensor xi = x.clone().requires_grad_(), w1i = w1.clone().requires_grad_(), b1i = b1.clone().requires_grad_();
     at::Tensor w2i = w2.clone().requires_grad_(), b2i = b2.clone().requires_grad_();
     const at::Tensor y = bmt::nn::fp8_gelu_mlp_fused(xi, w1i, b1i, w2i, b2i, at::Tensor(), Fp8Format::kE5M2, true,
-                                                     nullptr, &sx);
+                                                     nullptr, &fc, &proj);
     y.backward(gm);
     expect_same({y.detach(), xi.grad(), w1i.grad(), b1i.grad(), w2i.grad(), b2i.grad()}, mdyn, call);
   }
-  EXPECT_EQ(sx.history()[0].item<float>(), x.abs().max().item<float>());
+  EXPECT_EQ(fc.input.history()[0].item<float>(), x.abs().max().item<float>());
+  EXPECT_EQ(fc.weight.history()[0].item<float>(), w1.abs().max().item<float>());
+  EXPECT_EQ(proj.weight.history()[0].item<float>(), w2.abs().max().item<float>());
+  EXPECT_FALSE(proj.input.ready()) << "c_proj's input is h, which the MLP casts itself";
 }

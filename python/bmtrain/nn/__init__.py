@@ -28,40 +28,42 @@ def causal_attention(query, key, value):
     return _nn.causal_attention(query, key, value)
 
 
-def fp8_linear(input, weight, bias=None, grad_format=None, scaling=None, input_scale=None):
+def fp8_linear(input, weight, bias=None, grad_format=None, scaling=None, scales=None):
     """y = input weightᵀ + bias with its three GEMMs in FP8 (the engine's nn::fp8_linear, through torch._scaled_mm:
     Hopper's FP8 tensor cores on GPUs, torch's CPU kernel on CPUs): E4M3 input and weight, the gradient in
     grad_format ("e5m2", the default from BMT_FP8_GRAD, or "e4m3"); dynamic scales computed on the device, per tensor
     or, with scaling="row" (default from BMT_FP8_SCALING: "tensor"), per row of each operand along the contracted
     dimension (every operand E4M3 then); output, master weights and gradients in the input's dtype. Falls back to
     the plain linear when a GEMM dimension (rows, in or out features) is not a multiple of 16 or the dtype is not
-    fp32 / bf16 / fp16. input_scale: an Fp8DelayedScale the caller keeps for this input across steps; with
-    set_fp8_delayed_inputs(True) (or BMT_FP8_DELAYED_INPUTS=1) and per-tensor scales the input is cast with the
-    scale of its last history_len amaxes, the amax taken in the same pass (one read of the input fewer; a value above
-    that range saturates). Not in BMTrain."""
-    return _nn.fp8_linear(input, weight, bias, grad_format, scaling, True, input_scale)
+    fp32 / bf16 / fp16. scales: an Fp8LinearScales the caller keeps for this layer across steps; with
+    set_fp8_delayed_inputs(True) (or BMT_FP8_DELAYED_INPUTS=1) and per-tensor scales the input and the weight are
+    cast with the scales of their last 16 amaxes, each amax taken in the same pass (one read of each fewer, the
+    weight's transposed copy kept for the backward; a value above that range saturates). Not in BMTrain."""
+    return _nn.fp8_linear(input, weight, bias, grad_format, scaling, True, scales)
 
 
-def fp8_linear_residual(input, weight, bias, residual, grad_format=None, scaling=None, input_scale=None):
+def fp8_linear_residual(input, weight, bias, residual, grad_format=None, scaling=None, scales=None):
     """residual + fp8_linear(input, weight, bias): on CUDA with per-tensor scales the residual is added by the FP8
-    GEMM's epilogue (one rounding, no separate pass; nn::fp8_linear_residual); input_scale as fp8_linear's. Not in
+    GEMM's epilogue (one rounding, no separate pass; nn::fp8_linear_residual); scales as fp8_linear's. Not in
     BMTrain."""
-    return _nn.fp8_linear_residual(input, weight, bias, residual, grad_format, scaling, input_scale)
+    return _nn.fp8_linear_residual(input, weight, bias, residual, grad_format, scaling, scales)
 
 
 def fp8_gelu_mlp(input, w_fc, b_fc, w_proj, b_proj, residual=None, grad_format=None, gelu_scale=None,
-                 input_scale=None):
+                 fc_scales=None, proj_scales=None):
     """[residual +] gelu_tanh(input w_fcᵀ + b_fc) w_projᵀ + b_proj with FP8 GEMMs (fp8_linear's numerics, per-tensor
     scales), c_fc's bias and GELU and c_proj's bias and residual in the FP8 GEMMs' epilogues on CUDA
     (nn::fp8_gelu_mlp); elsewhere, or with rowwise scales, the same from fp8_linear, gelu and fp8_linear.
     gelu_scale: an Fp8DelayedScale the caller keeps for this MLP across steps; with set_fp8_delayed_gelu(True)
     (or BMT_FP8_DELAYED_GELU=1) the fused CUDA path has c_fc's GEMM write the GELU output in E4M3 with the scale
     from the amaxes of its last history_len calls (one cast pass fewer; a value above that range saturates).
-    input_scale: the input's, as fp8_linear's. Not in BMTrain."""
-    return _nn.fp8_gelu_mlp(input, w_fc, b_fc, w_proj, b_proj, residual, grad_format, gelu_scale, input_scale)
+    fc_scales, proj_scales: c_fc's and c_proj's Fp8LinearScales, as fp8_linear's scales. Not in BMTrain."""
+    return _nn.fp8_gelu_mlp(input, w_fc, b_fc, w_proj, b_proj, residual, grad_format, gelu_scale, fc_scales,
+                            proj_scales)
 
 
 Fp8DelayedScale = _nn.Fp8DelayedScale
+Fp8LinearScales = _nn.Fp8LinearScales
 
 
 def fp8_delayed_gelu():
@@ -75,13 +77,13 @@ def set_fp8_delayed_gelu(enabled):
 
 
 def fp8_delayed_inputs():
-    """Whether the FP8 linears use a given input_scale (BMT_FP8_DELAYED_INPUTS, default off). Not in BMTrain."""
+    """Whether the FP8 linears use given delayed scales (BMT_FP8_DELAYED_INPUTS, default off). Not in BMTrain."""
     return _nn.fp8_delayed_inputs()
 
 
 def set_fp8_delayed_inputs(enabled):
-    """Switches the FP8 linears' delayed input scaling (bmt.nn.Linear's, the functions' input_scale, the C++
-    GPT's) for this process. Not in BMTrain."""
+    """Switches the FP8 linears' delayed input and weight scaling (bmt.nn.Linear's, the functions' scales, the
+    C++ GPT's) for this process. Not in BMTrain."""
     _nn.set_fp8_delayed_inputs(bool(enabled))
 
 
@@ -122,8 +124,8 @@ class OpLinear(torch.autograd.Function):
 class Linear(DistributedModule):
     """BMTrain's Linear(in_features, out_features, bias=True, dtype=None): weight (out, in) xavier_normal_,
     bias zeros. Keyword-only extra (not in BMTrain): fp8=True runs its GEMMs in FP8 (fp8_linear above); the
-    attribute `fp8` may be changed between steps. Under set_fp8_delayed_inputs(True) the layer keeps its input's
-    Fp8DelayedScale (fp8_linear's input_scale)."""
+    attribute `fp8` may be changed between steps. Under set_fp8_delayed_inputs(True) the layer keeps its
+    Fp8LinearScales (fp8_linear's scales)."""
 
     def __init__(self, in_features, out_features, bias=True, dtype=None, *, fp8=False):
         super().__init__()
@@ -137,11 +139,11 @@ class Linear(DistributedModule):
 
     def forward(self, input):
         if self.fp8:
-            # (the input's delayed scale, made on first use under set_fp8_delayed_inputs: not in state_dict)
-            scale = None
+            # (the delayed scales, made on first use under set_fp8_delayed_inputs: not in state_dict)
+            scales = None
             if _nn.fp8_delayed_inputs():
-                scale = self.__dict__.setdefault("_fp8_input_scale", Fp8DelayedScale())
-            return _nn.fp8_linear(input, self.weight, self.bias, None, None, True, scale)
+                scales = self.__dict__.setdefault("_fp8_scales", Fp8LinearScales())
+            return _nn.fp8_linear(input, self.weight, self.bias, None, None, True, scales)
         return _nn.linear(input, self.weight, self.bias)
 
     def extra_repr(self):

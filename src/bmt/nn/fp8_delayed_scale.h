@@ -45,6 +45,13 @@ class Fp8DelayedScale {
   int64_t records_ = 0;
 };
 
+// The delayed scales of one FP8 linear's forward operands, its input and its weight (nn::fp8_linear's `scales`, used
+// under fp8_delayed_inputs_enabled(): both cast by nn::fp8_cast_delayed, the weight's transposed copy for dgrad in the
+// same pass and kept for the backward). A layer owns one: LinearImpl::fp8_scales.
+struct Fp8LinearScales {
+  Fp8DelayedScale input, weight;
+};
+
 // The FP8 MLP's GELU output by c_fc's GEMM in E4M3 with a delayed scale (when the MLP is given an Fp8DelayedScale):
 // BMT_FP8_DELAYED_GELU=1 | 0 (the default), or set here. Off until measured on a GPU: it changes the numerics (a
 // value above the scale's range saturates) for one cast pass fewer over the MLP's widest activation.

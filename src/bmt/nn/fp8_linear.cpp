@@ -35,7 +35,7 @@ EnvSwitch g_amax_from_sum("BMT_FP8_AMAX_FROM_SUM", true);
 // BMT_FP8_DGELU_FUSED: the FP8 MLP's GELU gradient, bias gradient and amax by one kernel (on: its CUDA tests passed on
 // an H100 in session 25, +1% at gpt-1.3b); =0: torch's gelu_backward, then the column sum and the cast
 EnvSwitch g_dgelu_fused("BMT_FP8_DGELU_FUSED", true);
-// BMT_FP8_DELAYED_INPUTS: the linears' inputs cast with their delayed scales (off until measured on a GPU)
+// BMT_FP8_DELAYED_INPUTS: the linears' inputs and weights cast with their delayed scales (off until measured)
 EnvSwitch g_delayed_inputs("BMT_FP8_DELAYED_INPUTS", false);
 EnvChoice<Fp8Scaling, 2> g_scaling("BMT_FP8_SCALING", {{{"tensor", Fp8Scaling::kTensor}, {"row", Fp8Scaling::kRow}}});
 
@@ -45,21 +45,24 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                             int64_t grad_format, int64_t scaling_id, bool want_dx, bool want_dw, bool compute,
-                            Fp8DelayedScale* x_scale) {
+                            Fp8LinearScales* scales) {
     const int64_t in = weight.size(1), out = weight.size(0);
     const auto scaling = static_cast<Fp8Scaling>(scaling_id);
     const at::Tensor x2 = x.contiguous().view({-1, in});
     // compute = false (a recompute's tail): no forward GEMM, so neither x's row-major bytes nor W's cast
     Fp8Tensor xq;
-    // (a delayed scale: per tensor, E4M3, the amax taken by the cast itself)
-    const bool delayed = x_scale && scaling == Fp8Scaling::kTensor && x_scale->format() == Fp8Format::kE4M3;
+    // (delayed scales: per tensor, E4M3, each amax taken by the cast itself; the weight's transposed copy for dgrad
+    // in the same pass)
+    const bool delayed = scales && scaling == Fp8Scaling::kTensor && scales->input.format() == Fp8Format::kE4M3 &&
+                         scales->weight.format() == Fp8Format::kE4M3;
     if (compute || want_dw)
-      xq = delayed ? fp8_cast_delayed(x2, *x_scale, compute, want_dw)
+      xq = delayed ? fp8_cast_delayed(x2, scales->input, compute, want_dw)
                    : fp8_cast_as(scaling, x2, Fp8Format::kE4M3, compute, want_dw);
     at::Tensor y;
     Fp8Tensor wq;
     if (compute) {
-      wq = fp8_cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
+      wq = delayed ? fp8_cast_delayed(weight, scales->weight, true, want_dx)
+                   : fp8_cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
       const at::Tensor res2 = residual ? residual->contiguous().view({-1, out}) : at::Tensor();
       // a residual: added by the GEMM's epilogue (per tensor, CUDA, where cuBLASLt has an algorithm), else after
       bool done = false;
@@ -78,10 +81,12 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
       y = deferred_output({x2.size(0), out}, x.options());
     }
     // (per tensor: the backward's transposed cast of W reuses this cast's statistics, no second amax pass)
-    const bool keep_w_stats = want_dx && compute && scaling == Fp8Scaling::kTensor;
+    // (delayed: the transposed copy itself, not the weight)
+    const bool keep_wt = want_dx && wq.data_t.defined();
+    const bool keep_w_stats = want_dx && compute && scaling == Fp8Scaling::kTensor && !keep_wt;
     ctx->save_for_backward({want_dw ? xq.data_t : at::Tensor(), want_dw ? xq.inv_scale_t() : at::Tensor(),
-                            want_dx ? weight : at::Tensor(), keep_w_stats ? wq.stats : at::Tensor(),
-                            keep_w_stats ? wq.inv : at::Tensor()});
+                            want_dx && !keep_wt ? weight : at::Tensor(), keep_w_stats ? wq.stats : at::Tensor(),
+                            keep_w_stats || keep_wt ? wq.inv : at::Tensor(), keep_wt ? wq.data_t : at::Tensor()});
     ctx->saved_data["grad_format"] = grad_format;
     ctx->saved_data["scaling"] = scaling_id;
     ctx->saved_data["has_bias"] = bias.has_value();  // (an absent optional input has no gradient slot to ask about)
@@ -95,8 +100,8 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &xt8 = saved[0], &x_inv = saved[1], &weight = saved[2];
-    Fp8Tensor w_forward;  // the forward cast's statistics (undefined: take them again)
-    w_forward.stats = saved[3], w_forward.inv = saved[4];
+    Fp8Tensor w_forward;  // the forward cast's statistics (undefined: take them again), or its transposed copy
+    w_forward.stats = saved[3], w_forward.inv = saved[4], w_forward.data_t = saved[5];
     const auto grad_format = static_cast<Fp8Format>(ctx->saved_data["grad_format"].toInt());
     const auto scaling = static_cast<Fp8Scaling>(ctx->saved_data["scaling"].toInt());
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
@@ -109,7 +114,8 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     // (one cast for both copies; the bias gradient's read of dy also takes dy's amax)
     const Fp8Tensor dyq = fp8_cast_grad(scaling, dy2, grad_format, want_dx, want_dw, want_db ? &db : nullptr, w_dtype);
     if (want_dx) {
-      const Fp8Tensor wq = fp8_cast_weight_t(scaling, weight, w_forward);  // W^T [in, out] row-major
+      // W^T [in, out] row-major
+      const Fp8Tensor wq = w_forward.data_t.defined() ? w_forward : fp8_cast_weight_t(scaling, weight, w_forward);
       dx = fp8_scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), grads[0].scalar_type(), false,
                          std::nullopt)
                .view(x_sizes);
@@ -355,7 +361,7 @@ bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Fp8Format grad_format,
-                      Fp8Scaling scaling, bool compute_output, Fp8DelayedScale* x_scale) {
+                      Fp8Scaling scaling, bool compute_output, Fp8LinearScales* scales) {
   BMT_CHECK(weight.defined() && weight.dim() == 2, "nn::fp8_linear: needs a 2-D weight");
   BMT_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "nn::fp8_linear: input ", x.sizes(),
             " does not match weight ", weight.sizes());
@@ -368,12 +374,12 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, std::nullopt,
                             static_cast<int64_t>(grad_format), static_cast<int64_t>(scaling),
                             grad && x.requires_grad(), grad && weight.requires_grad(), compute_output,
-                            fp8_delayed_inputs_enabled() ? x_scale : nullptr);
+                            fp8_delayed_inputs_enabled() ? scales : nullptr);
 }
 
 at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                const at::Tensor& residual, Fp8Format grad_format, Fp8Scaling scaling,
-                               Fp8DelayedScale* x_scale) {
+                               Fp8LinearScales* scales) {
   BMT_CHECK(weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
             "nn::fp8_linear_residual: input ", x.sizes(), " does not match weight ",
             weight.defined() ? weight.sizes() : at::IntArrayRef());
@@ -381,19 +387,19 @@ at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, co
   check_residual(residual, x, weight.size(0), "nn::fp8_linear_residual");
   if (!fp8_linear_applies(x, weight) || (bias.defined() && bias.scalar_type() != x.scalar_type()) ||
       residual.scalar_type() != x.scalar_type() || residual.device() != x.device())
-    return residual + fp8_linear(x, weight, bias, grad_format, scaling, true, x_scale);
+    return residual + fp8_linear(x, weight, bias, grad_format, scaling, true, scales);
   BMT_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), "nn::fp8_linear_residual: bias ",
             bias.sizes(), " does not match weight ", weight.sizes());
   const bool grad = at::GradMode::is_enabled();
   return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
                             std::optional<at::Tensor>(residual), static_cast<int64_t>(grad_format),
                             static_cast<int64_t>(scaling), grad && x.requires_grad(), grad && weight.requires_grad(),
-                            true, fp8_delayed_inputs_enabled() ? x_scale : nullptr);
+                            true, fp8_delayed_inputs_enabled() ? scales : nullptr);
 }
 
 at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,
-                         bool compute_output, Fp8DelayedScale* x_scale) {
-  if (fp8) return fp8_linear(x, weight, bias, fp8_grad_format(), fp8_scaling(), compute_output, x_scale);
+                         bool compute_output, Fp8LinearScales* scales) {
+  if (fp8) return fp8_linear(x, weight, bias, fp8_grad_format(), fp8_scaling(), compute_output, scales);
   return compute_output ? linear(x, weight, bias) : linear_deferred(x, weight, bias);
 }
 

@@ -28,24 +28,25 @@
 namespace bmt::nn {
 
 class Fp8DelayedScale;
+struct Fp8LinearScales;
 
 // y = x weight^T + bias (bias may be undefined) with FP8 GEMMs; grad_format: the gradient dy's format.
 // compute_output = false (a checkpointed Block's recompute whose output only roots the backward,
 // skip_block_outputs_now()): y is left uncomputed (NaN), no forward GEMM and no weight cast; node and gradients
-// are the same. x_scale (optional, per-tensor scaling): x's delayed scale (nn/fp8_delayed_scale.h), used when
-// fp8_delayed_inputs_enabled(); the caller keeps it alive and gives each input its own.
+// are the same. scales (optional, per-tensor scaling): the delayed scales of x and the weight (nn/fp8_delayed_scale.h),
+// used when fp8_delayed_inputs_enabled(); the caller keeps them across steps, one per layer.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = at::Tensor(),
                       Fp8Format grad_format = Fp8Format::kE5M2, Fp8Scaling scaling = Fp8Scaling::kTensor,
-                      bool compute_output = true, Fp8DelayedScale* x_scale = nullptr);
+                      bool compute_output = true, Fp8LinearScales* scales = nullptr);
 // residual + x weight^T + bias with fp8_linear's numerics, the residual added by the FP8 GEMM's epilogue on CUDA with
 // per-tensor scales (one rounding of the sum, no separate pass), else after the GEMM. residual: the output's shape.
 at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                const at::Tensor& residual, Fp8Format grad_format = Fp8Format::kE5M2,
-                               Fp8Scaling scaling = Fp8Scaling::kTensor, Fp8DelayedScale* x_scale = nullptr);
+                               Fp8Scaling scaling = Fp8Scaling::kTensor, Fp8LinearScales* scales = nullptr);
 // The GEMM of a layer with an FP8 switch (nn::Linear, the tensor-parallel layers): fp8_linear with the process's
 // settings (fp8_grad_format(), fp8_scaling()) when `fp8`, else nn::linear (nn::linear_deferred without the output).
 at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,
-                         bool compute_output = true, Fp8DelayedScale* x_scale = nullptr);
+                         bool compute_output = true, Fp8LinearScales* scales = nullptr);
 // Whether fp8_linear takes the FP8 path for these operands (else it is nn::linear).
 bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
 
@@ -72,8 +73,8 @@ Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_
 // A GEMM input cast to FP8 with a delayed scale (nn/fp8_delayed_scale.h; per-tensor scaling): the cast kernel takes
 // state.scale() and folds the tensor's amax into the state in the same pass, so the dynamic cast's amax pass over the
 // bf16 tensor is gone; the call's inverse scale is state.record()'s. Before the state's first record: a dynamic cast
-// whose amax is recorded. The FP8 linears' inputs use it when given a state and fp8_delayed_inputs_enabled()
-// (nn::Linear owns one: LinearImpl::fp8_input_scale).
+// whose amax is recorded. The FP8 linears' operands use it when given their states (Fp8LinearScales) and
+// fp8_delayed_inputs_enabled().
 Fp8Tensor fp8_cast_delayed(const at::Tensor& matrix, Fp8DelayedScale& state, bool row_major, bool transposed);
 
 // The default gradient format of nn::Linear's FP8 path: BMT_FP8_GRAD=e5m2 (default) | e4m3, or set here.
@@ -83,8 +84,9 @@ void set_fp8_grad_format(Fp8Format format);
 // BMT_FP8_DGELU_FUSED=1 (the default) | 0 (torch's gelu_backward, then the column sum), or set here.
 bool fp8_dgelu_fused_enabled();
 void set_fp8_dgelu_fused_enabled(bool enabled);
-// The FP8 linears' inputs by fp8_cast_delayed where a layer passes its state: BMT_FP8_DELAYED_INPUTS=1 | 0 (the
-// default), or set here. Off until measured: as the delayed GELU output, an input above its scale's range saturates.
+// The FP8 linears' forward operands (input and weight) by fp8_cast_delayed where a layer passes its Fp8LinearScales:
+// BMT_FP8_DELAYED_INPUTS=1 | 0 (the default), or set here. Off until measured: as the delayed GELU output, a value
+// above its scale's range saturates.
 bool fp8_delayed_inputs_enabled();
 void set_fp8_delayed_inputs_enabled(bool enabled);
 // The default scaling of nn::Linear's FP8 path: BMT_FP8_SCALING=tensor (default) | row, or set here.

@@ -52,14 +52,20 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
                             const at::Tensor& w_proj, const at::Tensor& b_proj,
                             const std::optional<at::Tensor>& residual, int64_t grad_format, bool grad,
                             bool compute_output, bool epilogues, Fp8DelayedScale* gelu_scale,
-                            Fp8DelayedScale* x_scale) {
+                            Fp8LinearScales* fc_scales, Fp8LinearScales* proj_scales) {
     const int64_t in = w_fc.size(1), hidden = w_fc.size(0), out = w_proj.size(0);
     const at::Tensor x2 = x.contiguous().view({-1, in});
     const int64_t rows = x2.size(0);
     const at::ScalarType dtype = x.scalar_type();
-    const Fp8Tensor xq = x_scale && x_scale->format() == kE4M3 ? fp8_cast_delayed(x2, *x_scale, true, grad)
-                                                                : fp8_cast(x2, kE4M3, true, grad);
-    const Fp8Tensor w1q = fp8_cast(w_fc, kE4M3, true, false);
+    // (delayed scales: x, and each weight with its transposed copy for the backward in the same pass)
+    const auto e4m3 = [](const Fp8LinearScales* s) {
+      return s && s->input.format() == kE4M3 && s->weight.format() == kE4M3;
+    };
+    const bool fc_delayed = e4m3(fc_scales), proj_delayed = e4m3(proj_scales);
+    const Fp8Tensor xq = fc_delayed ? fp8_cast_delayed(x2, fc_scales->input, true, grad)
+                                    : fp8_cast(x2, kE4M3, true, grad);
+    const Fp8Tensor w1q = fc_delayed ? fp8_cast_delayed(w_fc, fc_scales->weight, true, grad)
+                                     : fp8_cast(w_fc, kE4M3, true, false);
     const at::Tensor b1 = b_fc.contiguous();
     at::Tensor pre = at::empty({rows, hidden}, x.options());
     const bool gelu_epilogue = epilogues && (g_gelu.enabled() || !x.is_cuda());
@@ -81,7 +87,8 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     at::Tensor y;
     Fp8Tensor w2q;
     if (compute_output) {
-      w2q = fp8_cast(w_proj, kE4M3, true, false);
+      w2q = proj_delayed ? fp8_cast_delayed(w_proj, proj_scales->weight, true, grad)
+                         : fp8_cast(w_proj, kE4M3, true, false);
       const at::Tensor b2 = b_proj.contiguous();
       const at::Tensor res2 = residual ? residual->contiguous().view({-1, out}) : at::Tensor();
       y = at::empty({rows, out}, x.options());
@@ -96,7 +103,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     // (the weights' statistics: their transposed casts in the backward skip the amax pass; w_proj's only when its
     // forward cast ran)
     ctx->save_for_backward({xq.data_t, xq.inv, hq.data_t, hq.inv, w_fc, w_proj, pre, w1q.stats, w1q.inv, w2q.stats,
-                            w2q.inv});
+                            w2q.inv, w1q.data_t, w2q.data_t});
     ctx->saved_data["grad_format"] = grad_format;
     ctx->saved_data["has_residual"] = residual.has_value();
     ctx->saved_data["epilogues"] = epilogues;
@@ -111,6 +118,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
                      &w_proj = saved[5], &pre = saved[6];
     Fp8Tensor w1_forward, w2_forward;  // the forward casts' statistics
     w1_forward.stats = saved[7], w1_forward.inv = saved[8], w2_forward.stats = saved[9], w2_forward.inv = saved[10];
+    w1_forward.data_t = saved[11], w2_forward.data_t = saved[12];  // (delayed scales: the forward's own copies)
     const auto gf = static_cast<Fp8Format>(ctx->saved_data["grad_format"].toInt());
     const bool epilogues = ctx->saved_data["epilogues"].toBool();
     const int64_t out = w_proj.size(0);
@@ -128,7 +136,8 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
       // d pre = (dy w_proj) * gelu'(pre): GELU's gradient in the GEMM's epilogue (large problems, see
       // kDGeluMinOutputs), else after it
       // w_proj^T [hidden, out] row-major
-      const Fp8Tensor w2t = fp8_cast_weight_t(Fp8Scaling::kTensor, w_proj, w2_forward);
+      const Fp8Tensor w2t =
+          w2_forward.data_t.defined() ? w2_forward : fp8_cast_weight_t(Fp8Scaling::kTensor, w_proj, w2_forward);
       const bool try_dgelu =
           epilogues && (!pre.is_cuda() || (g_dgelu.enabled() && pre.numel() >= kDGeluMinOutputs));
       at::Tensor dpre = try_dgelu ? at::empty_like(pre) : at::Tensor();
@@ -146,7 +155,8 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
                                      fp8_scaled_mm(dyq.data, dyq.inv, w2t.data_t, w2t.inv, dtype, false, std::nullopt),
                                      pre, gf, want_dx, want_dw1, want_db1 ? &db1 : nullptr, w_fc.scalar_type());
       if (want_dx) {
-        const Fp8Tensor w1t = fp8_cast_weight_t(Fp8Scaling::kTensor, w_fc, w1_forward);  // w_fc^T [in, hidden]
+        const Fp8Tensor w1t =  // w_fc^T [in, hidden]
+            w1_forward.data_t.defined() ? w1_forward : fp8_cast_weight_t(Fp8Scaling::kTensor, w_fc, w1_forward);
         dx = fp8_scaled_mm(dpq.data, dpq.inv, w1t.data_t, w1t.inv, dtype, false, std::nullopt)
                  .view(ctx->saved_data["x_sizes"].toIntVector());
       }
@@ -154,7 +164,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     }
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(5)) dres = grads[0];
     variable_list g = {dx, dw1, db1, dw2, db2, dres};
-    g.resize(12);  // (none for the six non-tensor arguments)
+    g.resize(13);  // (none for the seven non-tensor arguments)
     return g;
   }
 };
@@ -169,13 +179,13 @@ bool fused_operands(std::initializer_list<const at::Tensor*> ts, const at::Tenso
 
 at::Tensor apply(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                  const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format, bool compute_output,
-                 Fp8DelayedScale* gelu_scale, Fp8DelayedScale* x_scale) {
+                 Fp8DelayedScale* gelu_scale, Fp8LinearScales* fc_scales, Fp8LinearScales* proj_scales) {
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || w_fc.requires_grad() ||
                                                    w_proj.requires_grad() || b_fc.requires_grad());
   return Fp8GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
                              residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt,
                              static_cast<int64_t>(grad_format), grad, compute_output, /*epilogues=*/true,
-                             gelu_scale, x_scale);
+                             gelu_scale, fc_scales, proj_scales);
 }
 
 }  // namespace
@@ -183,7 +193,7 @@ at::Tensor apply(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& 
 at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                               const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
                               Fp8Format grad_format, bool compute_output, Fp8DelayedScale* gelu_scale,
-                              Fp8DelayedScale* x_scale) {
+                              Fp8LinearScales* fc_scales, Fp8LinearScales* proj_scales) {
   check_mlp("nn::fp8_gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
   BMT_CHECK(b_fc.defined() && b_proj.defined(), "nn::fp8_gelu_mlp_fused: c_fc and c_proj need biases");
   BMT_CHECK(fused_operands({&w_fc, &b_fc, &w_proj, &b_proj}, x, w_fc, w_proj) &&
@@ -191,24 +201,28 @@ at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const
             "nn::fp8_gelu_mlp_fused: needs operands of one dtype and device and GEMM dimensions that are multiples "
             "of 16 (rows ", x.numel() / std::max<int64_t>(x.size(-1), 1), ", features ", w_fc.size(1), ", ",
             w_fc.size(0), ", ", w_proj.size(0), ")");
-  return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output, gelu_scale, x_scale);
+  return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output, gelu_scale, fc_scales,
+               proj_scales);
 }
 
 at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                         const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format,
-                        bool compute_output, Fp8DelayedScale* gelu_scale, Fp8DelayedScale* x_scale) {
+                        bool compute_output, Fp8DelayedScale* gelu_scale, Fp8LinearScales* fc_scales,
+                        Fp8LinearScales* proj_scales) {
   check_mlp("nn::fp8_gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
   // (under autocast the ops inside would run in another dtype than the backward's operands)
   const bool fused = fp8_scaling() == Fp8Scaling::kTensor && gemm_epilogues_enabled() && x.is_cuda() &&
                      !at::autocast::is_autocast_enabled(at::kCUDA) &&
                      fused_operands({&w_fc, &b_fc, &w_proj, &b_proj}, x, w_fc, w_proj) &&
                      (!residual.defined() || fused_operands({&residual}, x, w_fc, w_proj));
+  const bool delayed = fp8_delayed_inputs_enabled();
   if (fused)
     return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output,
-                 fp8_delayed_gelu_enabled() ? gelu_scale : nullptr, fp8_delayed_inputs_enabled() ? x_scale : nullptr);
+                 fp8_delayed_gelu_enabled() ? gelu_scale : nullptr, delayed ? fc_scales : nullptr,
+                 delayed ? proj_scales : nullptr);
   const Fp8Scaling scaling = fp8_scaling();
-  const at::Tensor h = at::gelu(fp8_linear(x, w_fc, b_fc, grad_format, scaling, true, x_scale), "tanh");
-  const at::Tensor y = fp8_linear(h, w_proj, b_proj, grad_format, scaling, compute_output);
+  const at::Tensor h = at::gelu(fp8_linear(x, w_fc, b_fc, grad_format, scaling, true, fc_scales), "tanh");
+  const at::Tensor y = fp8_linear(h, w_proj, b_proj, grad_format, scaling, compute_output, proj_scales);
   return residual.defined() ? residual + y : y;
 }
 

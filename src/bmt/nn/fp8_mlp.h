@@ -25,16 +25,18 @@ namespace bmt::nn {
 // writes h in E4M3 itself with gelu_scale's delayed scale (cuBLASLt's FP8 output, h's amax folded in), and h's
 // transposed copy for wgrad is a byte transpose: no cast reads a bf16 h. Until gelu_scale is ready(), and where
 // cuBLASLt has no such algorithm, h is cast dynamically and its amax recorded.
-// x_scale (the caller's; used when fp8_delayed_inputs_enabled()): x cast by nn::fp8_cast_delayed.
+// fc_scales / proj_scales (the caller's, c_fc's and c_proj's; used when fp8_delayed_inputs_enabled()): x and the
+// weights cast by nn::fp8_cast_delayed, each weight's transposed copy in the same pass and kept for the backward.
 at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                         const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format,
                         bool compute_output = true, Fp8DelayedScale* gelu_scale = nullptr,
-                        Fp8DelayedScale* x_scale = nullptr);
+                        Fp8LinearScales* fc_scales = nullptr, Fp8LinearScales* proj_scales = nullptr);
 // The fused autograd function on any device (CPU: the epilogue GEMMs' fp64 twin, slow; for tests). Needs biases.
-// gelu_scale and x_scale: as fp8_gelu_mlp's, used whatever the switches say.
+// gelu_scale, fc_scales and proj_scales: as fp8_gelu_mlp's, used whatever the switches say.
 at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                               const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
                               Fp8Format grad_format, bool compute_output = true,
-                              Fp8DelayedScale* gelu_scale = nullptr, Fp8DelayedScale* x_scale = nullptr);
+                              Fp8DelayedScale* gelu_scale = nullptr, Fp8LinearScales* fc_scales = nullptr,
+                              Fp8LinearScales* proj_scales = nullptr);
 
 }  // namespace bmt::nn

@@ -15,7 +15,7 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, at::ScalarType d
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
   const at::Tensor b = bias.defined() ? gathered(bias) : at::Tensor();
-  return linear_or_fp8(x, gathered(weight), b, fp8, true, &fp8_input_scale);
+  return linear_or_fp8(x, gathered(weight), b, fp8, true, &fp8_scales);
 }
 
 LayerNormImpl::LayerNormImpl(int64_t d, double e, at::ScalarType dtype, bool with_bias) : dim(d), eps(e) {

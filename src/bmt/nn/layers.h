@@ -20,10 +20,10 @@ class LinearImpl : public torch::nn::Module {
   // FP8 GEMMs (nn::fp8_linear: gradients in fp8_grad_format(), scaling fp8_scaling()); off: nn::linear. Not
   // state: set it before training.
   bool fp8 = false;
-  // The FP8 input's delayed scale (used under BMT_FP8_DELAYED_INPUTS=1: nn::fp8_cast_delayed; not in checkpoints).
-  // A model that calls the FP8 ops on this layer's weight itself passes it along (the example GPT's MLP and
-  // attention projection).
-  Fp8DelayedScale fp8_input_scale;
+  // The delayed scales of the FP8 GEMM's input and weight (used under BMT_FP8_DELAYED_INPUTS=1: nn::fp8_cast_delayed;
+  // not in checkpoints). A model that calls the FP8 ops on this layer's weight itself passes them along (the example
+  // GPT's MLP and attention projection).
+  Fp8LinearScales fp8_scales;
 };
 TORCH_MODULE(Linear);
 

@@ -377,10 +377,11 @@ def fp8_delayed_gelu_scale_from_python():
 
 @case
 def fp8_delayed_input_scale_from_python():
-    """set_fp8_delayed_inputs(True): bmt.nn.fp8_linear(input_scale=) and bmt.nn.Linear(fp8=True) cast their input with
-    a delayed scale. The first call is the dynamic cast (amax recorded), the second with the same input uses that
-    amax's scale: both bit for bit the call without a scale; a smaller input is cast with the larger window's scale:
-    within FP8 rounding, not equal. Switch off: the scale is not touched. A deep copy of the layer starts afresh."""
+    """set_fp8_delayed_inputs(True): bmt.nn.fp8_linear(scales=) and bmt.nn.Linear(fp8=True) cast their input and
+    weight with delayed scales. The first call is the dynamic cast (amaxes recorded), the second with the same
+    operands uses those amaxes' scales: both bit for bit the call without scales; a smaller input is cast with the
+    larger window's scale: within FP8 rounding, not equal. Switch off: the scales are not touched. A deep copy of the
+    layer starts afresh."""
     import copy
     x0 = rank_input(rank(), ROWS, IN, seed=71)
     w0, b0 = _w(72)
@@ -396,21 +397,22 @@ def fp8_delayed_input_scale_from_python():
     prev = bmt.nn.fp8_delayed_inputs()
     try:
         bmt.nn.set_fp8_delayed_inputs(False)
-        off = bmt.nn.Fp8DelayedScale()
-        run(lambda *t: bmt.nn.fp8_linear(*t, input_scale=off), x0)
-        if off.ready:
-            raise AssertionError("switch off: the input scale was used")
+        off = bmt.nn.Fp8LinearScales()
+        run(lambda *t: bmt.nn.fp8_linear(*t, scales=off), x0)
+        if off.input.ready or off.weight.ready:
+            raise AssertionError("switch off: the delayed scales were used")
         bmt.nn.set_fp8_delayed_inputs(True)
         if not bmt.nn.fp8_delayed_inputs():
             raise AssertionError("set_fp8_delayed_inputs(True) did not switch")
-        s = bmt.nn.Fp8DelayedScale()
-        for call in ("first call (dynamic, amax recorded)", "second call (the recorded scale)"):
-            got = run(lambda *t: bmt.nn.fp8_linear(*t, input_scale=s), x0)
+        s = bmt.nn.Fp8LinearScales()
+        for call in ("first call (dynamic, amaxes recorded)", "second call (the recorded scales)"):
+            got = run(lambda *t: bmt.nn.fp8_linear(*t, scales=s), x0)
             for i, (a, b) in enumerate(zip(got, dynamic)):
                 assert_equal(f"{call}: output/gradient {i}", a, b)
-        assert_equal("the window's newest amax", s.history[0].cpu(), x0.abs().max().float().cpu())
+        assert_equal("the input's newest amax", s.input.history[0].cpu(), x0.abs().max().float().cpu())
+        assert_equal("the weight's newest amax", s.weight.history[0].cpu(), w0.abs().max().float().cpu())
         # (not a power of two, which would only move FP8's exponents)
-        half = run(lambda *t: bmt.nn.fp8_linear(*t, input_scale=s), x0 * 0.3)
+        half = run(lambda *t: bmt.nn.fp8_linear(*t, scales=s), x0 * 0.3)
         half_dynamic = run(bmt.nn.fp8_linear, x0 * 0.3)
         if torch.equal(half[0], half_dynamic[0]):
             raise AssertionError("a smaller input gave the dynamic cast's output: the delayed scale was not used")
@@ -424,11 +426,11 @@ def fp8_delayed_input_scale_from_python():
             want = bmt.nn.fp8_linear(x0, layer.weight, layer.bias)
             for _ in range(2):
                 assert_equal("Linear(fp8) with its delayed input scale", layer(x0), want)
-        if not layer._fp8_input_scale.ready:
-            raise AssertionError("Linear(fp8) did not record its input's amax")
+        if not (layer._fp8_scales.input.ready and layer._fp8_scales.weight.ready):
+            raise AssertionError("Linear(fp8) did not record its operands' amaxes")
         twin = copy.deepcopy(layer)
-        if twin._fp8_input_scale.ready or twin._fp8_input_scale is layer._fp8_input_scale:
-            raise AssertionError("a deep copy shares or carries the input scale's window")
+        if twin._fp8_scales.input.ready or twin._fp8_scales is layer._fp8_scales:
+            raise AssertionError("a deep copy shares or carries the delayed scales' windows")
     finally:
         bmt.nn.set_fp8_delayed_inputs(prev)
 
