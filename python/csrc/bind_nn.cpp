@@ -143,7 +143,10 @@ void bind_nn(py::module_& m) {
                              py::return_value_policy::reference_internal)
       .def_property_readonly("weight", [](LinearScales& s) -> DelayedScale& { return s.weight; },
                              py::return_value_policy::reference_internal)
-      .def("__deepcopy__", [](const LinearScales&, const py::dict&) { return std::make_shared<LinearScales>(); });
+      .def("__deepcopy__", [](const LinearScales&, const py::dict&) { return std::make_shared<LinearScales>(); })
+      // (a module holding one pickles: the windows are not state, an unpickled one starts afresh)
+      .def(py::pickle([](const LinearScales&) { return py::tuple(); },
+                      [](const py::tuple&) { return std::make_shared<LinearScales>(); }));
   nn.def("fp8_delayed_gelu", &bmt::nn::fp8_delayed_gelu_enabled);
   nn.def("set_fp8_delayed_gelu", &bmt::nn::set_fp8_delayed_gelu_enabled, py::arg("enabled"));
   nn.def("fp8_delayed_inputs", &bmt::nn::fp8_delayed_inputs_enabled);

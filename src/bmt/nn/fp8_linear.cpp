@@ -291,8 +291,8 @@ Fp8Tensor fp8_cast_delayed(const at::Tensor& matrix, Fp8DelayedScale& state, boo
     return r;
   }
   const at::Tensor m = matrix.contiguous();
-  BMT_CHECK(m.scalar_type() == at::kFloat || m.scalar_type() == at::kBFloat16 || m.scalar_type() == at::kHalf,
-            "nn::fp8_cast_delayed: dtype ", m.scalar_type(), " is not fp32, bf16 or fp16");
+  BMT_CHECK(supported_dtype(m.scalar_type()), "nn::fp8_cast_delayed: dtype ", m.scalar_type(),
+            " is not fp32, bf16 or fp16");
   BMT_CHECK(state.scale().device() == m.device(), "nn::fp8_cast_delayed: the delayed scale is on ",
             state.scale().device(), ", the tensor on ", m.device(), " (one state per tensor and device)");
   const int64_t rows = m.size(0), cols = m.size(1);

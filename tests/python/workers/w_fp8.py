@@ -431,6 +431,9 @@ def fp8_delayed_input_scale_from_python():
         twin = copy.deepcopy(layer)
         if twin._fp8_scales.input.ready or twin._fp8_scales is layer._fp8_scales:
             raise AssertionError("a deep copy shares or carries the delayed scales' windows")
+        import pickle
+        if pickle.loads(pickle.dumps(layer._fp8_scales)).weight.ready:
+            raise AssertionError("an unpickled Fp8LinearScales carries a window")
     finally:
         bmt.nn.set_fp8_delayed_inputs(prev)
 
