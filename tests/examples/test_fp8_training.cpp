@@ -1,6 +1,7 @@
 // FP8 linears in the example GPT (ParallelOptions::fp8, train_gpt --fp8): the tiny preset learns on 2 CPU ranks
 // over Gloo with ZeRO-3, with and without activation checkpointing (the recompute repeats the casts), at tp 2 and
-// the tiny Llama with checkpointing (both with the LM head in FP8 too, fp8_head), the loss finite throughout; fp8
+// the tiny Llama with checkpointing (both with the LM head in FP8 too, fp8_head), with delayed scales of the linears'
+// operands (BMT_FP8_DELAYED_INPUTS) and checkpointing, the loss finite throughout; fp8
 // off is today's model bit for bit and fp8 on changes the layers' GEMMs only within FP8's rounding. On CPU the
 // GEMMs are torch's CPU _scaled_mm and the casts our kernels' CPU twin.
 #include <gtest/gtest.h>
@@ -52,6 +53,18 @@ TEST(Fp8Training, TinyGptLearnsOnTwoRanks) {
 
 TEST(Fp8Training, TinyGptLearnsOnTwoRanksWithCheckpointing) {
   bmt::testing::run_ranks(2, [] { expect_learns(examples::run_training(fp8_args(true))); });
+}
+
+TEST(Fp8Training, TinyGptLearnsWithDelayedScalesAndCheckpointing) {
+  // BMT_FP8_DELAYED_INPUTS (every linear's input and weight; on CPU also c_proj's GELU input, the MLP being the
+  // separate composition there) and the FP8 head, under ZeRO-3's gathered weights and the recompute's repeated casts
+  bmt::testing::run_ranks(2, [] {
+    bmt::nn::set_fp8_delayed_inputs_enabled(true);
+    examples::TrainArgs a = fp8_args(true);
+    a.fp8_head = true;
+    expect_learns(examples::run_training(a));
+    bmt::nn::set_fp8_delayed_inputs_enabled(false);
+  });
 }
 
 TEST(Fp8Training, TinyGptLearnsAtTensorParallelSizeTwo) {  // each rank's GEMM of the column/row-parallel layers
