@@ -5,7 +5,9 @@
 # visible (tests/cuda/nccl_fault_check.sh), then each extra command given as an argument (benchmarks).
 # Ends with one line "N passed, N failed, N skipped" and exits non-zero on any failed test, any failed check or
 # command, and any skipped test this machine should have run (a skip that does not say it needs more GPUs than
-# there are, and is not allowed with its reason in tests/allowed_skips.txt). Logs go to $OUT when set.
+# there are, and is not allowed with its reason in tests/allowed_skips.txt). Logs go to $OUT when set; the extra
+# commands' new bench/results rows and plots to $OUT/00-results (here: python3 scripts/device_results.py merge
+# FILES_AT appends them to bench/results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/cuda/bin" NCCL_NVLS_ENABLE=0
@@ -55,7 +57,11 @@ if [ "${BMT_FAULT_CHECK:-0}" = 1 ]; then
   if [ "$NGPU" -ge 2 ]; then check "nccl fault check" bash tests/cuda/nccl_fault_check.sh build-gpu
   else echo "[gpu] nccl fault check: needs 2 GPUs, $NGPU visible (not run)"; fi
 fi
+# (the benchmarks' new rows and plots into $OUT/00-results, a name that sorts first among the few files a device
+# call returns: scripts/device_results.py)
+[ "$#" -gt 0 ] && python3 scripts/device_results.py snapshot
 for cmd in "$@"; do check "$cmd" bash -c "$cmd"; done
+[ "$#" -gt 0 ] && python3 scripts/device_results.py collect "$OUT"
 
 # One summary over every binary's XML, the binaries' exit codes and the other checks.
 python3 - "$OUT" "$NGPU" <<'PY'
