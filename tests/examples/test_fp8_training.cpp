@@ -79,6 +79,19 @@ TEST(Fp8Training, TinyGptLearnsAtTensorParallelSizeTwo) {  // each rank's GEMM o
   }, init);
 }
 
+TEST(Fp8Training, TinyGptLearnsAtTensorParallelSizeTwoWithDelayedScales) {  // each rank's own delayed scales
+  bmt::InitOptions init = bmt::testing::test_init();
+  init.tp_size = 2;
+  init.sequence_parallel = true;
+  bmt::testing::run_ranks(2, [] {
+    bmt::nn::set_fp8_delayed_inputs_enabled(true);
+    examples::TrainArgs a = fp8_args(false);
+    a.tp = 2;
+    expect_learns(examples::run_training(a));
+    bmt::nn::set_fp8_delayed_inputs_enabled(false);
+  }, init);
+}
+
 TEST(Fp8Training, TinyLlamaLearnsOnTwoRanks) {
   bmt::testing::run_ranks(2, [] {
     examples::TrainArgs a = fp8_args(true);

@@ -45,7 +45,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, bool
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   return column_parallel_linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), gather_input,
-                                gather_output, tp::overlap_chunks(), fp8);
+                                gather_output, tp::overlap_chunks(), fp8, &fp8_scales);
 }
 
 at::Tensor ColumnParallelLinearImpl::input_of(const at::Tensor& x) const {
@@ -53,7 +53,8 @@ at::Tensor ColumnParallelLinearImpl::input_of(const at::Tensor& x) const {
 }
 
 at::Tensor ColumnParallelLinearImpl::forward_input(const at::Tensor& input) {
-  at::Tensor y = linear_or_fp8(input, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), fp8);
+  at::Tensor y =
+      linear_or_fp8(input, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), fp8, true, &fp8_scales);
   return gather_output ? tp::gather_last_dim(y) : y;
 }
 
@@ -82,7 +83,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, bool with_
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   return row_parallel_linear(x, gathered(weight), bias.defined() ? gathered(bias) : at::Tensor(), split_input,
-                             all_reduce_output, tp::overlap_chunks(), fp8);
+                             all_reduce_output, tp::overlap_chunks(), fp8, &fp8_scales);
 }
 
 void RowParallelLinearImpl::pretty_print(std::ostream& os) const {

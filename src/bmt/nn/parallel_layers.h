@@ -31,6 +31,7 @@
 
 #include <optional>
 
+#include "bmt/nn/fp8_delayed_scale.h"
 #include "bmt/params/parameter.h"
 
 namespace bmt::nn {
@@ -49,6 +50,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   int64_t in_features, out_features, out_features_per_partition, split_groups;
   bool gather_output, gather_input;
   bool fp8 = false;  // this rank's GEMM in FP8 (nn::fp8_linear; tp_layer_ops.h), set before training
+  Fp8LinearScales fp8_scales;  // its operands' delayed scales (BMT_FP8_DELAYED_INPUTS; not in checkpoints)
   at::Tensor weight, bias;
 };
 TORCH_MODULE(ColumnParallelLinear);
@@ -63,6 +65,7 @@ class RowParallelLinearImpl : public torch::nn::Module {
   int64_t in_features, out_features, in_features_per_partition;
   bool split_input, all_reduce_output;
   bool fp8 = false;  // this rank's GEMM in FP8 (nn::fp8_linear; tp_layer_ops.h), set before training
+  Fp8LinearScales fp8_scales;  // its operands' delayed scales (BMT_FP8_DELAYED_INPUTS; not in checkpoints)
   at::Tensor weight, bias;
 };
 TORCH_MODULE(RowParallelLinear);

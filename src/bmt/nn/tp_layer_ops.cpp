@@ -34,18 +34,20 @@ bool overlapped(int64_t chunks) { return chunks > 0 && config().tp_size > 1; }
 }  // namespace
 
 at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                                  bool gather_input, bool gather_output, int64_t overlap_chunks, bool fp8) {
+                                  bool gather_input, bool gather_output, int64_t overlap_chunks, bool fp8,
+                                  Fp8LinearScales* scales) {
   check_features("ColumnParallelLinear", x, weight);
   at::Tensor y;
   if (gather_input && overlapped(overlap_chunks) && !fp8)  // the all-gather overlapped with the GEMM
     y = tp::gather_rows_linear(x, weight, bias, overlap_chunks);
   else
-    y = linear_or_fp8(gather_input ? tp::gather_rows(x) : tp::copy_to_tp(x), weight, bias, fp8);
+    y = linear_or_fp8(gather_input ? tp::gather_rows(x) : tp::copy_to_tp(x), weight, bias, fp8, true, scales);
   return gather_output ? tp::gather_last_dim(y) : y;
 }
 
 at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                               bool split_input, bool all_reduce_output, int64_t overlap_chunks, bool fp8) {
+                               bool split_input, bool all_reduce_output, int64_t overlap_chunks, bool fp8,
+                               Fp8LinearScales* scales) {
   BMT_CHECK(weight.defined() && weight.dim() == 2, "RowParallelLinear: the weight must be a 2-dim tensor");
   at::Tensor input = split_input ? split_input_rows("RowParallelLinear", x, weight.size(1)) : x;
   check_features("RowParallelLinear", input, weight,
@@ -54,9 +56,9 @@ at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight, co
   if (!all_reduce_output && overlapped(overlap_chunks) && !fp8)
     y = tp::linear_reduce_scatter_rows(input, weight, overlap_chunks);  // chunked GEMM + reduce-scatter, overlapped
   else if (all_reduce_output)
-    y = tp::reduce_from_tp(linear_or_fp8(input, weight, {}, fp8));  // (no bias: nn::linear is at::linear)
+    y = tp::reduce_from_tp(linear_or_fp8(input, weight, {}, fp8, true, scales));  // (no bias: at::linear)
   else
-    y = tp::reduce_scatter_rows(linear_or_fp8(input, weight, {}, fp8));
+    y = tp::reduce_scatter_rows(linear_or_fp8(input, weight, {}, fp8, true, scales));
   return bias.defined() ? y + bias : y;
 }
 

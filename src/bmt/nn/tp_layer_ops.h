@@ -40,14 +40,18 @@
 
 namespace bmt::nn {
 
+struct Fp8LinearScales;
 enum class TpReduce { kNone, kAllReduce, kReduceScatter };
 
 // fp8: this rank's GEMM is nn::fp8_linear (nn::linear_or_fp8; per-tensor scales from this rank's shard and rows),
-// the communication unchanged and not chunked (overlap_chunks is ignored).
+// the communication unchanged and not chunked (overlap_chunks is ignored); scales: the layer's delayed scales of its
+// GEMM operands on this rank (used under fp8_delayed_inputs_enabled()).
 at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                                  bool gather_input, bool gather_output, int64_t overlap_chunks = 0, bool fp8 = false);
+                                  bool gather_input, bool gather_output, int64_t overlap_chunks = 0, bool fp8 = false,
+                                  Fp8LinearScales* scales = nullptr);
 at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                               bool split_input, bool all_reduce_output, int64_t overlap_chunks = 0, bool fp8 = false);
+                               bool split_input, bool all_reduce_output, int64_t overlap_chunks = 0, bool fp8 = false,
+                               Fp8LinearScales* scales = nullptr);
 at::Tensor vocab_parallel_lookup(const at::Tensor& ids, const at::Tensor& weight, bool sequence_parallel);
 at::Tensor vocab_parallel_lookup_replicated_ids(const at::Tensor& ids, const at::Tensor& weight,
                                                 bool sequence_parallel);
