@@ -4,6 +4,7 @@
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
 #include "bmt/core/kernels/fp8_delayed_scale_internal.h"
+#include "bmt/nn/fp8_format_internal.h"
 #include "bmt/nn/gemm_epilogue_args_internal.h"
 #include "bmt/runtime/env_switch_internal.h"
 #include "bmt/runtime/tensor_adapter_internal.h"

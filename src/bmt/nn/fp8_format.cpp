@@ -1,4 +1,4 @@
-#include "bmt/nn/fp8_format.h"
+#include "bmt/nn/fp8_format_internal.h"
 
 namespace bmt::nn {
 

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "bmt/core/kernels/gemm_epilogue_internal.h"
+#include "bmt/nn/fp8_format_internal.h"
 #include "bmt/nn/fp8_linear.h"
 
 namespace bmt::nn {
