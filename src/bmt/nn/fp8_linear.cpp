@@ -53,8 +53,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     Fp8Tensor xq;
     // (delayed scales: per tensor, E4M3, each amax taken by the cast itself; the weight's transposed copy for dgrad
     // in the same pass)
-    const bool delayed = scales && scaling == Fp8Scaling::kTensor && scales->input.format() == Fp8Format::kE4M3 &&
-                         scales->weight.format() == Fp8Format::kE4M3;
+    const bool delayed = scaling == Fp8Scaling::kTensor && e4m3_scales(scales);
     if (compute || want_dw)
       xq = delayed ? fp8_cast_delayed(x2, scales->input, compute, want_dw)
                    : fp8_cast_as(scaling, x2, Fp8Format::kE4M3, compute, want_dw);
@@ -189,9 +188,11 @@ namespace {
 
 // fp8_cast; amax_partials (CUDA, defined): the partial maxima of |matrix| a kernel that read it already wrote
 // (nn::column_sum's), so the scale reduces those instead of reading the matrix again; known (defined): the
-// statistics and inverse scale of an earlier cast of the same values, so no scale pass at all
+// statistics and inverse scale of an earlier cast of the same values, so no scale pass at all; delayed (ready, of
+// `format`): its scale, the amax folded into it by the cast, the inverse scale its record gives (no statistics)
 Fp8Tensor cast_per_tensor(const at::Tensor& matrix, Fp8Format format, bool rowwise, bool transposed,
-                          const at::Tensor& amax_partials, const Fp8Tensor* known = nullptr) {
+                          const at::Tensor& amax_partials, const Fp8Tensor* known = nullptr,
+                          Fp8DelayedScale* delayed = nullptr) {
   BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
   BMT_CHECK(supported_dtype(matrix.scalar_type()), "nn::fp8_cast: dtype ", matrix.scalar_type(),
             " is not fp32, bf16 or fp16");
@@ -199,14 +200,21 @@ Fp8Tensor cast_per_tensor(const at::Tensor& matrix, Fp8Format format, bool rowwi
   const int64_t rows = m.size(0), cols = m.size(1);
   const auto opts = m.options().dtype(fp8_dtype(format));
   Fp8Tensor r;
-  r.stats = known ? known->stats : at::empty({3}, m.options().dtype(at::kFloat));
+  if (!delayed) r.stats = known ? known->stats : at::empty({3}, m.options().dtype(at::kFloat));
   if (rowwise) r.data = at::empty({rows, cols}, opts);
   if (transposed) r.data_t = at::empty({cols, rows}, opts);
   auto* q = rowwise ? static_cast<uint8_t*>(r.data.data_ptr()) : nullptr;
   auto* qt = transposed ? static_cast<uint8_t*>(r.data_t.data_ptr()) : nullptr;
   const core::DType dt = to_core_dtype(m.scalar_type());
   const k::Fp8Format f = core_format(format);
+  const float* delayed_scale = delayed ? delayed->scale().data_ptr<float>() : nullptr;
+  float* delayed_amax = delayed ? delayed->amax().data_ptr<float>() : nullptr;
   if (!m.is_cuda()) {
+    if (delayed) {
+      k::fp8_cast_delayed_cpu(m.data_ptr(), dt, rows, cols, delayed_scale, delayed_amax, f, q, qt);
+      r.inv = delayed->record();
+      return r;
+    }
     if (!known) k::fp8_scale_cpu(m.data_ptr(), dt, m.numel(), f, r.stats.data_ptr<float>());
     k::fp8_cast_cpu(m.data_ptr(), dt, rows, cols, r.stats.data_ptr<float>(), f, q, qt);
     r.inv = known ? known->inv : r.stats.select(0, 2).clone();
@@ -215,6 +223,11 @@ Fp8Tensor cast_per_tensor(const at::Tensor& matrix, Fp8Format format, bool rowwi
 #ifdef BMT_WITH_CUDA
   c10::cuda::CUDAGuard guard(m.device());
   void* stream = current_stream_handle(m);
+  if (delayed) {
+    k::fp8_cast_delayed_cuda(m.data_ptr(), dt, rows, cols, delayed_scale, delayed_amax, f, q, qt, stream);
+    r.inv = delayed->record();
+    return r;
+  }
   if (known) {  // the statistics of an earlier cast of the same values: the cast alone
     r.inv = known->inv;
   } else {
@@ -284,40 +297,18 @@ Fp8Tensor fp8_cast_dgelu_grad(Fp8Scaling scaling, at::Tensor dmid, const at::Ten
 }
 
 Fp8Tensor fp8_cast_delayed(const at::Tensor& matrix, Fp8DelayedScale& state, bool row_major, bool transposed) {
-  BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast_delayed: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
   if (!state.ready()) {  // (the first call: a dynamic cast, its amax the state's first record)
     Fp8Tensor r = fp8_cast(matrix, state.format(), row_major, transposed);
     state.record_amax(r.stats.select(0, k::kFp8Amax));
     return r;
   }
-  const at::Tensor m = matrix.contiguous();
-  BMT_CHECK(supported_dtype(m.scalar_type()), "nn::fp8_cast_delayed: dtype ", m.scalar_type(),
-            " is not fp32, bf16 or fp16");
-  BMT_CHECK(state.scale().device() == m.device(), "nn::fp8_cast_delayed: the delayed scale is on ",
-            state.scale().device(), ", the tensor on ", m.device(), " (one state per tensor and device)");
-  const int64_t rows = m.size(0), cols = m.size(1);
-  const auto opts = m.options().dtype(fp8_dtype(state.format()));
-  Fp8Tensor r;
-  if (row_major) r.data = at::empty({rows, cols}, opts);
-  if (transposed) r.data_t = at::empty({cols, rows}, opts);
-  auto* q = row_major ? static_cast<uint8_t*>(r.data.data_ptr()) : nullptr;
-  auto* qt = transposed ? static_cast<uint8_t*>(r.data_t.data_ptr()) : nullptr;
-  const core::DType dt = to_core_dtype(m.scalar_type());
-  const k::Fp8Format f = core_format(state.format());
-  const float* scale = state.scale().data_ptr<float>();
-  float* amax = state.amax().data_ptr<float>();
-  if (!m.is_cuda()) {
-    k::fp8_cast_delayed_cpu(m.data_ptr(), dt, rows, cols, scale, amax, f, q, qt);
-  } else {
-#ifdef BMT_WITH_CUDA
-    c10::cuda::CUDAGuard guard(m.device());
-    k::fp8_cast_delayed_cuda(m.data_ptr(), dt, rows, cols, scale, amax, f, q, qt, current_stream_handle(m));
-#else
-    BMT_ERROR("nn::fp8_cast_delayed: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
-#endif
-  }
-  r.inv = state.record();
-  return r;
+  BMT_CHECK(state.scale().device() == matrix.device(), "nn::fp8_cast_delayed: the delayed scale is on ",
+            state.scale().device(), ", the tensor on ", matrix.device(), " (one state per tensor and device)");
+  return cast_per_tensor(matrix, state.format(), row_major, transposed, at::Tensor(), nullptr, &state);
+}
+
+bool e4m3_scales(const Fp8LinearScales* scales) {
+  return scales && scales->input.format() == Fp8Format::kE4M3 && scales->weight.format() == Fp8Format::kE4M3;
 }
 
 Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_major, bool transposed) {

@@ -45,6 +45,9 @@ Fp8Tensor fp8_cast_grad(Fp8Scaling scaling, const at::Tensor& dy, Fp8Format form
 Fp8Tensor fp8_cast_dgelu_grad(Fp8Scaling scaling, at::Tensor dmid, const at::Tensor& pre, Fp8Format format,
                               bool row_major, bool transposed, at::Tensor* db, at::ScalarType sum_dtype);
 
+// Whether a layer's delayed scales can cast its forward GEMM's operands (given, both E4M3).
+bool e4m3_scales(const Fp8LinearScales* scales);
+
 // One epilogue GEMM (core/kernels/gemm_epilogue) on per-tensor FP8 operands: out = epilogue((a_inv b_inv) a b^T)
 // with a [rows, inner] and b [cols, inner] row-major, out / bias / aux / residual in out's dtype (undefined: none).
 // CPU tensors run the fp64 twin; CUDA ones cuBLASLt, false (nothing done) when it has no algorithm.

@@ -58,10 +58,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     const int64_t rows = x2.size(0);
     const at::ScalarType dtype = x.scalar_type();
     // (delayed scales: x, and each weight with its transposed copy for the backward in the same pass)
-    const auto e4m3 = [](const Fp8LinearScales* s) {
-      return s && s->input.format() == kE4M3 && s->weight.format() == kE4M3;
-    };
-    const bool fc_delayed = e4m3(fc_scales), proj_delayed = e4m3(proj_scales);
+    const bool fc_delayed = e4m3_scales(fc_scales), proj_delayed = e4m3_scales(proj_scales);
     const Fp8Tensor xq = fc_delayed ? fp8_cast_delayed(x2, fc_scales->input, true, grad)
                                     : fp8_cast(x2, kE4M3, true, grad);
     const Fp8Tensor w1q = fc_delayed ? fp8_cast_delayed(w_fc, fc_scales->weight, true, grad)
