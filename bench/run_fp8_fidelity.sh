@@ -12,7 +12,8 @@
 #            modifiers joined with _: e4m3grad (BMT_FP8_GRAD=e4m3), row (BMT_FP8_SCALING=row), ends
 #            (--fp8-bf16-layers 0,-1), head (--fp8-head), delayed (BMT_FP8_DELAYED_GELU=1: the MLP's GELU output
 #            in E4M3 from c_fc's GEMM, delayed scaling), inputs (BMT_FP8_DELAYED_INPUTS=1: the linears' inputs and
-#            weights cast with delayed scales), mlp / attn (--fp8-linears), seedN (--seed N:
+#            weights cast with delayed scales), grads (BMT_FP8_DELAYED_GRADS=1: the output gradients cast with
+#            delayed scales), mlp / attn (--fp8-linears), seedN (--seed N:
 #            bf16_seed2 is the noise floor, a bf16 run from another init and data order); e.g. "bf16 fp8 fp8_e4m3grad fp8_row fp8_ends bf16_seed2".
 #            A recipe run with 2+ seeds beside bf16 with 2+ ("bf16 fp8 bf16_seed2 fp8_seed2 bf16_seed3 fp8_seed3")
 #            also gets a verdict on the seed means (the 124M final loss moves by ~0.5-5% with any perturbation)
@@ -49,6 +50,7 @@ run_recipe() {
       head) FLAGS="$FLAGS --fp8-head" ;;
       delayed) ENVS="$ENVS BMT_FP8_DELAYED_GELU=1" ;;
       inputs) ENVS="$ENVS BMT_FP8_DELAYED_INPUTS=1" ;;
+      grads) ENVS="$ENVS BMT_FP8_DELAYED_GRADS=1" ;;
       mlp | attn) FLAGS="$FLAGS --fp8-linears $m" ;;
       seed[0-9]*) FLAGS="$FLAGS --seed ${m#seed}" ;;
       *) return 1 ;;
@@ -57,7 +59,7 @@ run_recipe() {
 }
 [ "${RUNS[0]:-}" = bf16 ] || { echo "[fp8_fidelity] FIDELITY_RUNS must start with bf16 (the reference)" >&2; exit 2; }
 for run in "${RUNS[@]}"; do
-  run_recipe "$run" || { echo "[fp8_fidelity] FIDELITY_RUNS: unknown run '$run' (bf16|fp8 with _e4m3grad _row _ends _head _delayed _inputs _mlp _attn _seedN)" >&2; exit 2; }
+  run_recipe "$run" || { echo "[fp8_fidelity] FIDELITY_RUNS: unknown run '$run' (bf16|fp8 with _e4m3grad _row _ends _head _delayed _inputs _grads _mlp _attn _seedN)" >&2; exit 2; }
 done
 CONFIGS=("$@")
 [ ${#CONFIGS[@]} -eq 0 ] && CONFIGS=(124m 1p3b)

@@ -30,7 +30,10 @@
 #                           scale; variant fp8-delayed-gelu), bmt_fp8_all (the three: variant
 #                           fp8-fused-dgelu-delayed-gelu-head), bmt_fp8_inputs (BMT_FP8_DELAYED_INPUTS=1: the
 #                           linears' inputs cast with delayed scales; variant fp8-delayed-inputs), bmt_fp8_all_inputs
-#                           (the four; variant fp8-fused-dgelu-delayed-gelu-head-delayed-inputs); bmt_tune and bmt_fp8_tune
+#                           (the four; variant fp8-fused-dgelu-delayed-gelu-head-delayed-inputs), bmt_fp8_grads
+#                           (BMT_FP8_DELAYED_GRADS=1: the output gradients cast with delayed scales, the bias gradient
+#                           from the same pass; variant fp8-delayed-grads), bmt_fp8_all_grads (the five; variant
+#                           ...-delayed-inputs-delayed-grads); bmt_tune and bmt_fp8_tune
 #                           (BMT_GEMM_AUTOTUNE=1: each GEMM shape's cuBLASLt algorithm timed among its candidates;
 #                           variants autotune, fp8-autotune)
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
@@ -167,6 +170,13 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
         bmt_fp8_all_inputs) BENCH_VARIANT=fp8-fused-dgelu-delayed-gelu-head-delayed-inputs \
           run_one "bmt_fp8_all_inputs_$cfg" bmt "$CANON" env BMT_FP8_DGELU_FUSED=1 BMT_FP8_DELAYED_GELU=1 \
           BMT_FP8_DELAYED_INPUTS=1 "$BIN" --framework bmt $C --fp8 --fp8-head ;;
+        # and the linears' output gradients too (one pass: the cast with the bias gradient; the MLP's d pre never
+        # written in bf16)
+        bmt_fp8_all_grads) BENCH_VARIANT=fp8-fused-dgelu-delayed-gelu-head-delayed-inputs-delayed-grads \
+          run_one "bmt_fp8_all_grads_$cfg" bmt "$CANON" env BMT_FP8_DGELU_FUSED=1 BMT_FP8_DELAYED_GELU=1 \
+          BMT_FP8_DELAYED_INPUTS=1 BMT_FP8_DELAYED_GRADS=1 "$BIN" --framework bmt $C --fp8 --fp8-head ;;
+        bmt_fp8_grads) BENCH_VARIANT=fp8-delayed-grads run_one "bmt_fp8_grads_$cfg" bmt "$CANON" \
+                         env BMT_FP8_DELAYED_GRADS=1 "$BIN" --framework bmt $C --fp8 ;;
         bmt_fp8_inputs) BENCH_VARIANT=fp8-delayed-inputs run_one "bmt_fp8_inputs_$cfg" bmt "$CANON" \
                           env BMT_FP8_DELAYED_INPUTS=1 "$BIN" --framework bmt $C --fp8 ;;
         # cuBLASLt's candidate algorithms timed per GEMM shape (BMT_GEMM_AUTOTUNE=1), bf16 and FP8

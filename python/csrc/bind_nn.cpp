@@ -136,12 +136,16 @@ void bind_nn(py::module_& m) {
   using LinearScales = bmt::nn::Fp8LinearScales;
   py::class_<LinearScales, std::shared_ptr<LinearScales>>(
       nn, "Fp8LinearScales",
-      "Fp8LinearScales(): the delayed scales of one FP8 linear's forward operands, input and weight (each an "
-      "Fp8DelayedScale of 16 calls, E4M3), for fp8_linear(scales=) under set_fp8_delayed_inputs(True). Not in BMTrain.")
+      "Fp8LinearScales(): the delayed scales of one FP8 linear: its forward operands', input and weight (each an "
+      "Fp8DelayedScale of 16 calls, E4M3), used by fp8_linear(scales=) under set_fp8_delayed_inputs(True), and its "
+      "output gradient's, grad (16 calls, E5M2), used in the backward under set_fp8_delayed_grads(True). Not in "
+      "BMTrain.")
       .def(py::init([] { return std::make_shared<LinearScales>(); }))
       .def_property_readonly("input", [](LinearScales& s) -> DelayedScale& { return s.input; },
                              py::return_value_policy::reference_internal)
       .def_property_readonly("weight", [](LinearScales& s) -> DelayedScale& { return s.weight; },
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("grad", [](LinearScales& s) -> DelayedScale& { return s.grad; },
                              py::return_value_policy::reference_internal)
       .def("__deepcopy__", [](const LinearScales&, const py::dict&) { return std::make_shared<LinearScales>(); })
       // (a module holding one pickles: the windows are not state, an unpickled one starts afresh)
@@ -151,6 +155,8 @@ void bind_nn(py::module_& m) {
   nn.def("set_fp8_delayed_gelu", &bmt::nn::set_fp8_delayed_gelu_enabled, py::arg("enabled"));
   nn.def("fp8_delayed_inputs", &bmt::nn::fp8_delayed_inputs_enabled);
   nn.def("set_fp8_delayed_inputs", &bmt::nn::set_fp8_delayed_inputs_enabled, py::arg("enabled"));
+  nn.def("fp8_delayed_grads", &bmt::nn::fp8_delayed_grads_enabled);
+  nn.def("set_fp8_delayed_grads", &bmt::nn::set_fp8_delayed_grads_enabled, py::arg("enabled"));
   // fp8_gelu_mlp, and fp8_gelu_mlp_fused: the fused function on any device whatever the switches say (CPU: the
   // epilogue GEMMs' fp64 twin; for tests).
   using MlpFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

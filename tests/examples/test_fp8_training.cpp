@@ -1,7 +1,8 @@
 // FP8 linears in the example GPT (ParallelOptions::fp8, train_gpt --fp8): the tiny preset learns on 2 CPU ranks
 // over Gloo with ZeRO-3, with and without activation checkpointing (the recompute repeats the casts), at tp 2 and
 // the tiny Llama with checkpointing (both with the LM head in FP8 too, fp8_head), with delayed scales of the linears'
-// operands (BMT_FP8_DELAYED_INPUTS) and checkpointing, the loss finite throughout; fp8
+// operands and gradients (BMT_FP8_DELAYED_INPUTS, BMT_FP8_DELAYED_GRADS) and checkpointing, the loss finite
+// throughout; fp8
 // off is today's model bit for bit and fp8 on changes the layers' GEMMs only within FP8's rounding. On CPU the
 // GEMMs are torch's CPU _scaled_mm and the casts our kernels' CPU twin.
 #include <gtest/gtest.h>
@@ -57,13 +58,16 @@ TEST(Fp8Training, TinyGptLearnsOnTwoRanksWithCheckpointing) {
 
 TEST(Fp8Training, TinyGptLearnsWithDelayedScalesAndCheckpointing) {
   // BMT_FP8_DELAYED_INPUTS (every linear's input and weight; on CPU also c_proj's GELU input, the MLP being the
-  // separate composition there) and the FP8 head, under ZeRO-3's gathered weights and the recompute's repeated casts
+  // separate composition there), BMT_FP8_DELAYED_GRADS (every linear's output gradient, recorded once per backward
+  // however often the recompute repeats the forward) and the FP8 head, under ZeRO-3's gathered weights
   bmt::testing::run_ranks(2, [] {
     bmt::nn::set_fp8_delayed_inputs_enabled(true);
+    bmt::nn::set_fp8_delayed_grads_enabled(true);
     examples::TrainArgs a = fp8_args(true);
     a.fp8_head = true;
     expect_learns(examples::run_training(a));
     bmt::nn::set_fp8_delayed_inputs_enabled(false);
+    bmt::nn::set_fp8_delayed_grads_enabled(false);
   });
 }
 
@@ -85,10 +89,12 @@ TEST(Fp8Training, TinyGptLearnsAtTensorParallelSizeTwoWithDelayedScales) {  // e
   init.sequence_parallel = true;
   bmt::testing::run_ranks(2, [] {
     bmt::nn::set_fp8_delayed_inputs_enabled(true);
+    bmt::nn::set_fp8_delayed_grads_enabled(true);
     examples::TrainArgs a = fp8_args(false);
     a.tp = 2;
     expect_learns(examples::run_training(a));
     bmt::nn::set_fp8_delayed_inputs_enabled(false);
+    bmt::nn::set_fp8_delayed_grads_enabled(false);
   }, init);
 }
 

@@ -38,7 +38,10 @@ def fp8_linear(input, weight, bias=None, grad_format=None, scaling=None, scales=
     fp32 / bf16 / fp16. scales: an Fp8LinearScales the caller keeps for this layer across steps; with
     set_fp8_delayed_inputs(True) (or BMT_FP8_DELAYED_INPUTS=1) and per-tensor scales the input and the weight are
     cast with the scales of their last 16 amaxes, each amax taken in the same pass (one read of each fewer, the
-    weight's transposed copy kept for the backward; a value above that range saturates). Not in BMTrain."""
+    weight's transposed copy kept for the backward; a value above that range saturates); with
+    set_fp8_delayed_grads(True) (or BMT_FP8_DELAYED_GRADS=1), E5M2 gradients and per-tensor scales the backward
+    casts the output gradient with the scale of its last 16 amaxes, its bias gradient from the same read (the
+    autograd node keeps the state alive). Not in BMTrain."""
     return _nn.fp8_linear(input, weight, bias, grad_format, scaling, True, scales)
 
 
@@ -87,6 +90,18 @@ def set_fp8_delayed_inputs(enabled):
     _nn.set_fp8_delayed_inputs(bool(enabled))
 
 
+def fp8_delayed_grads():
+    """Whether the FP8 linears' backward uses given delayed gradient scales (BMT_FP8_DELAYED_GRADS, default off).
+    Not in BMTrain."""
+    return _nn.fp8_delayed_grads()
+
+
+def set_fp8_delayed_grads(enabled):
+    """Switches the FP8 linears' delayed output-gradient scaling (bmt.nn.Linear's, the functions' scales, the FP8
+    MLP's d pre with c_fc's bias gradient in one pass, the C++ GPT's) for this process. Not in BMTrain."""
+    _nn.set_fp8_delayed_grads(bool(enabled))
+
+
 def _dtype(dtype):
     return dtype if dtype is not None else torch.get_default_dtype()
 
@@ -124,8 +139,8 @@ class OpLinear(torch.autograd.Function):
 class Linear(DistributedModule):
     """BMTrain's Linear(in_features, out_features, bias=True, dtype=None): weight (out, in) xavier_normal_,
     bias zeros. Keyword-only extra (not in BMTrain): fp8=True runs its GEMMs in FP8 (fp8_linear above); the
-    attribute `fp8` may be changed between steps. Under set_fp8_delayed_inputs(True) the layer keeps its
-    Fp8LinearScales (fp8_linear's scales)."""
+    attribute `fp8` may be changed between steps. Under set_fp8_delayed_inputs(True) or set_fp8_delayed_grads(True)
+    the layer keeps its Fp8LinearScales (fp8_linear's scales)."""
 
     def __init__(self, in_features, out_features, bias=True, dtype=None, *, fp8=False):
         super().__init__()
@@ -139,9 +154,9 @@ class Linear(DistributedModule):
 
     def forward(self, input):
         if self.fp8:
-            # (the delayed scales, made on first use under set_fp8_delayed_inputs: not in state_dict)
+            # (the delayed scales, made on first use under either switch: not in state_dict)
             scales = None
-            if _nn.fp8_delayed_inputs():
+            if _nn.fp8_delayed_inputs() or _nn.fp8_delayed_grads():
                 scales = self.__dict__.setdefault("_fp8_scales", Fp8LinearScales())
             return _nn.fp8_linear(input, self.weight, self.bias, None, None, True, scales)
         return _nn.linear(input, self.weight, self.bias)

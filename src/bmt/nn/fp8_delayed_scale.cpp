@@ -18,6 +18,11 @@ namespace {
 
 namespace k = core::kernels;
 
+struct ScaleHandle : torch::CustomClassHolder {
+  explicit ScaleHandle(Fp8DelayedScale s) : scale(std::move(s)) {}
+  Fp8DelayedScale scale;
+};
+
 EnvSwitch g_delayed_gelu("BMT_FP8_DELAYED_GELU", false);
 
 }  // namespace
@@ -25,56 +30,68 @@ EnvSwitch g_delayed_gelu("BMT_FP8_DELAYED_GELU", false);
 bool fp8_delayed_gelu_enabled() { return g_delayed_gelu.enabled(); }
 void set_fp8_delayed_gelu_enabled(bool enabled) { g_delayed_gelu.set(enabled); }
 
-Fp8DelayedScale::Fp8DelayedScale(int64_t history_len, Fp8Format format) : len_(history_len), format_(format) {
+Fp8DelayedScale::Fp8DelayedScale(int64_t history_len, Fp8Format format)
+    : s_(std::make_shared<State>(history_len, format)) {
   BMT_CHECK(history_len >= 1, "nn::Fp8DelayedScale: history_len must be at least 1, got ", history_len);
 }
 
+Fp8DelayedScale::Fp8DelayedScale(const Fp8DelayedScale& other)
+    : s_(std::make_shared<State>(other.s_->len, other.s_->format)) {}
+
+Fp8DelayedScale& Fp8DelayedScale::operator=(const Fp8DelayedScale& other) {
+  if (this != &other) s_ = std::make_shared<State>(other.s_->len, other.s_->format);
+  return *this;
+}
+
+Fp8DelayedScale Fp8DelayedScale::share() const { return Fp8DelayedScale(s_, Shared{}); }
+
 const at::Tensor& Fp8DelayedScale::scale() const {
   BMT_CHECK(ready(), "nn::Fp8DelayedScale: no scale before the first record (cast dynamically, then record_amax)");
-  return scale_;
+  return s_->scale;
 }
 
 const at::Tensor& Fp8DelayedScale::amax() const {
   BMT_CHECK(ready(), "nn::Fp8DelayedScale: no amax buffer before the first record");
-  return amax_;
+  return s_->amax;
 }
 
 void Fp8DelayedScale::allocate(const at::Tensor& like) {
   const auto opts = like.options().dtype(at::kFloat);
-  history_ = at::zeros({len_}, opts);
-  scale_ = at::ones({}, opts);
-  inv_ = at::ones({}, opts);
-  amax_ = at::zeros({}, opts);
+  s_->history = at::zeros({s_->len}, opts);
+  s_->scale = at::ones({}, opts);
+  s_->inv = at::ones({}, opts);
+  s_->amax = at::zeros({}, opts);
 }
 
 at::Tensor Fp8DelayedScale::record() {
-  BMT_CHECK(amax_.defined(), "nn::Fp8DelayedScale::record: nothing to record before record_amax");
-  const at::Tensor call_inv = at::empty({}, inv_.options());
+  State& st = *s_;
+  BMT_CHECK(st.amax.defined(), "nn::Fp8DelayedScale::record: nothing to record before record_amax");
+  const at::Tensor call_inv = at::empty({}, st.inv.options());
   k::Fp8DelayedState s;
-  s.history = history_.data_ptr<float>(), s.len = len_, s.scale = scale_.data_ptr<float>();
-  s.inv = inv_.data_ptr<float>(), s.amax = amax_.data_ptr<float>();
-  s.format = core_format(format_);
-  if (!history_.is_cuda()) {
+  s.history = st.history.data_ptr<float>(), s.len = st.len, s.scale = st.scale.data_ptr<float>();
+  s.inv = st.inv.data_ptr<float>(), s.amax = st.amax.data_ptr<float>();
+  s.format = core_format(st.format);
+  if (!st.history.is_cuda()) {
     k::fp8_delayed_record_cpu(s, call_inv.data_ptr<float>());
   } else {
 #ifdef BMT_WITH_CUDA
-    c10::cuda::CUDAGuard guard(history_.device());
-    k::fp8_delayed_record_cuda(s, call_inv.data_ptr<float>(), current_stream_handle(history_));
+    c10::cuda::CUDAGuard guard(st.history.device());
+    k::fp8_delayed_record_cuda(s, call_inv.data_ptr<float>(), current_stream_handle(st.history));
 #else
     BMT_ERROR("nn::Fp8DelayedScale: CUDA state, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
 #endif
   }
-  ++records_;
+  ++st.records;
   return call_inv;
 }
 
 void Fp8DelayedScale::record_amax(const at::Tensor& amax) {
   BMT_CHECK(amax.numel() == 1 && amax.scalar_type() == at::kFloat,
             "nn::Fp8DelayedScale::record_amax: expected one float32 amax, got ", amax.sizes(), " ", amax.scalar_type());
-  if (!amax_.defined()) allocate(amax);
-  BMT_CHECK(amax.device() == amax_.device(), "nn::Fp8DelayedScale::record_amax: the amax is on ", amax.device(),
-            ", the state on ", amax_.device());
-  amax_.copy_(amax.reshape({}));
+  if (!s_->amax.defined()) allocate(amax);
+  BMT_CHECK(amax.device() == s_->amax.device(), "nn::Fp8DelayedScale::record_amax: the amax is on ", amax.device(),
+            ", the state on ", s_->amax.device());
+  s_->amax.copy_(amax.reshape({}));
   record();
 }
 
@@ -103,6 +120,15 @@ bool fp8_gemm_epilogue_to_fp8(k::GemmEpilogue epilogue, const at::Tensor& a, Fp8
   k::GemmEpilogueArgs g = gemm_epilogue_args(epilogue, a, b, /*b_transposed=*/true, out8, bias, aux, at::Tensor());
   g.fp8 = &f8;
   return run_gemm_epilogue(g, bias);
+}
+
+c10::IValue delayed_scale_capsule(const Fp8DelayedScale& state) {
+  return c10::IValue::make_capsule(c10::make_intrusive<ScaleHandle>(state.share()));
+}
+
+Fp8DelayedScale& delayed_scale_of(const c10::IValue& capsule) {
+  BMT_CHECK(capsule.isCapsule(), "nn::delayed_scale_of: not a delayed scale's capsule");
+  return static_cast<ScaleHandle*>(capsule.toCapsule().get())->scale;
 }
 
 at::Tensor fp8_transpose(const at::Tensor& q) {

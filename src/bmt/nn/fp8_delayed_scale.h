@@ -10,6 +10,8 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
+
 #include "bmt/nn/fp8_format.h"
 
 namespace bmt::nn {
@@ -17,18 +19,26 @@ namespace bmt::nn {
 class Fp8DelayedScale {
  public:
   explicit Fp8DelayedScale(int64_t history_len = 16, Fp8Format format = Fp8Format::kE4M3);
+  // A copy starts afresh (the same history length and format, not ready): a copied module keeps scales of its own.
+  Fp8DelayedScale(const Fp8DelayedScale& other);
+  Fp8DelayedScale& operator=(const Fp8DelayedScale& other);
+  Fp8DelayedScale(Fp8DelayedScale&&) noexcept = default;  // (a moved-from scale is only destroyed or assigned)
+  Fp8DelayedScale& operator=(Fp8DelayedScale&&) noexcept = default;
+  // Another handle on this same state (not a copy): what an autograd node keeps to record a gradient's amax in its
+  // backward, so the state outlives the module that owns it.
+  Fp8DelayedScale share() const;
 
   // Whether a record has set the scale (before: the producer's caller casts dynamically, then record_amax()).
-  bool ready() const { return records_ > 0; }
-  int64_t history_len() const { return len_; }
-  Fp8Format format() const { return format_; }
+  bool ready() const { return s_->records > 0; }
+  int64_t history_len() const { return s_->len; }
+  Fp8Format format() const { return s_->format; }
 
   // The producer's operands, valid once ready(): the scale to write with (0-dim float32) and where it folds its
   // output's amax (0-dim float32, 0 on entry).
   const at::Tensor& scale() const;
   const at::Tensor& amax() const;
   // The amaxes kept, newest first (float32 [history_len]); undefined before the first record.
-  const at::Tensor& history() const { return history_; }
+  const at::Tensor& history() const { return s_->history; }
 
   // After the producer wrote with scale() and folded its amax into amax(): records it, returns this call's inverse
   // scale for the bytes' consumers (0-dim float32; NaN when the amax was not finite) and moves scale() on.
@@ -37,12 +47,18 @@ class Fp8DelayedScale {
   void record_amax(const at::Tensor& amax);
 
  private:
+  struct State {
+    State(int64_t history_len, Fp8Format f) : len(history_len), format(f) {}
+    int64_t len;
+    Fp8Format format;
+    at::Tensor history, scale, inv, amax;
+    int64_t records = 0;
+  };
+  struct Shared {};
+  Fp8DelayedScale(std::shared_ptr<State> s, Shared) : s_(std::move(s)) {}
   void allocate(const at::Tensor& like);
 
-  int64_t len_;
-  Fp8Format format_;
-  at::Tensor history_, scale_, inv_, amax_;
-  int64_t records_ = 0;
+  std::shared_ptr<State> s_;
 };
 
 // The delayed scales of one FP8 linear's forward operands, its input and its weight (nn::fp8_linear's `scales`, used
@@ -50,6 +66,8 @@ class Fp8DelayedScale {
 // same pass and kept for the backward). A layer owns one: LinearImpl::fp8_scales.
 struct Fp8LinearScales {
   Fp8DelayedScale input, weight;
+  // its output gradient's (E5M2, under fp8_delayed_grads_enabled(): nn::fp8_cast_grad_delayed in the backward)
+  Fp8DelayedScale grad{16, Fp8Format::kE5M2};
 };
 
 // The FP8 MLP's GELU output by c_fc's GEMM in E4M3 with a delayed scale (when the MLP is given an Fp8DelayedScale):

@@ -17,6 +17,12 @@ bool fp8_gemm_epilogue_to_fp8(core::kernels::GemmEpilogue epilogue, const at::Te
                               const at::Tensor& b_inv, bool fast_accum, const at::Tensor& out8,
                               Fp8DelayedScale& state, const at::Tensor& bias, const at::Tensor& aux);
 
+// An autograd node's handle on a delayed scale (a capsule for its saved_data): the node shares the state
+// (Fp8DelayedScale::share), so its backward records into it even if the module that owns the state is gone first.
+c10::IValue delayed_scale_capsule(const Fp8DelayedScale& state);
+// The state a delayed_scale_capsule holds.
+Fp8DelayedScale& delayed_scale_of(const c10::IValue& capsule);
+
 // The transposed copy [cols, rows] of a 2-D float8 tensor, byte for byte (core's fp8_transpose).
 at::Tensor fp8_transpose(const at::Tensor& q);
 

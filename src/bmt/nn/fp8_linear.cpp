@@ -8,7 +8,9 @@
 
 #include "bmt/core/error.h"
 #include "bmt/core/kernels/fp8_cast_internal.h"
+#include "bmt/core/kernels/fp8_cast_grad_internal.h"
 #include "bmt/nn/fp8_delayed_scale.h"
+#include "bmt/nn/fp8_delayed_scale_internal.h"
 #include "bmt/nn/fused_linear.h"
 #include "bmt/nn/fused_linear_internal.h"
 #include "bmt/nn/fused_reductions.h"
@@ -37,6 +39,8 @@ EnvSwitch g_amax_from_sum("BMT_FP8_AMAX_FROM_SUM", true);
 EnvSwitch g_dgelu_fused("BMT_FP8_DGELU_FUSED", true);
 // BMT_FP8_DELAYED_INPUTS: the linears' inputs and weights cast with their delayed scales (off until measured)
 EnvSwitch g_delayed_inputs("BMT_FP8_DELAYED_INPUTS", false);
+// BMT_FP8_DELAYED_GRADS: the linears' output gradients cast with their delayed scales (off until measured)
+EnvSwitch g_delayed_grads("BMT_FP8_DELAYED_GRADS", false);
 EnvChoice<Fp8Scaling, 2> g_scaling("BMT_FP8_SCALING", {{{"tensor", Fp8Scaling::kTensor}, {"row", Fp8Scaling::kRow}}});
 
 bool supported_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
@@ -45,7 +49,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                             int64_t grad_format, int64_t scaling_id, bool want_dx, bool want_dw, bool compute,
-                            Fp8LinearScales* scales) {
+                            Fp8LinearScales* scales, Fp8DelayedScale* grad_scale) {
     const int64_t in = weight.size(1), out = weight.size(0);
     const auto scaling = static_cast<Fp8Scaling>(scaling_id);
     const at::Tensor x2 = x.contiguous().view({-1, in});
@@ -92,6 +96,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     ctx->saved_data["has_residual"] = residual.has_value();
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    if (grad_scale) ctx->saved_data["grad_scale"] = delayed_scale_capsule(*grad_scale);
     // (_unsafe_view: a view made inside a custom function could not be modified in place by the caller)
     return at::_unsafe_view(y, with_last(x.sizes(), out));
   }
@@ -111,7 +116,12 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const bool want_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
     at::Tensor dx, dw, db;
     // (one cast for both copies; the bias gradient's read of dy also takes dy's amax)
-    const Fp8Tensor dyq = fp8_cast_grad(scaling, dy2, grad_format, want_dx, want_dw, want_db ? &db : nullptr, w_dtype);
+    const auto grad_scale = ctx->saved_data.find("grad_scale");
+    const Fp8Tensor dyq =
+        grad_scale != ctx->saved_data.end()
+            ? fp8_cast_grad_delayed(dy2, at::Tensor(), delayed_scale_of(grad_scale->second), want_dx, want_dw,
+                                    want_db ? &db : nullptr, w_dtype)
+            : fp8_cast_grad(scaling, dy2, grad_format, want_dx, want_dw, want_db ? &db : nullptr, w_dtype);
     if (want_dx) {
       // W^T [in, out] row-major
       const Fp8Tensor wq = w_forward.data_t.defined() ? w_forward : fp8_cast_weight_t(scaling, weight, w_forward);
@@ -122,7 +132,9 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     if (want_dw) dw = fp8_scaled_mm(dyq.data_t, dyq.inv_scale_t(), xt8, x_inv, w_dtype, false, std::nullopt);
     at::Tensor dres;
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(3)) dres = grads[0];
-    return {dx, dw, db, dres, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    variable_list g = {dx, dw, db, dres};
+    g.resize(11);  // (none for the seven non-tensor arguments)
+    return g;
   }
 };
 
@@ -311,6 +323,69 @@ bool e4m3_scales(const Fp8LinearScales* scales) {
   return scales && scales->input.format() == Fp8Format::kE4M3 && scales->weight.format() == Fp8Format::kE4M3;
 }
 
+Fp8DelayedScale* delayed_grad_scale(Fp8LinearScales* scales, Fp8Format grad_format, Fp8Scaling scaling) {
+  const bool use = scales && g_delayed_grads.enabled() && scaling == Fp8Scaling::kTensor &&
+                   scales->grad.format() == grad_format;
+  return use ? &scales->grad : nullptr;
+}
+
+Fp8Tensor fp8_cast_grad_delayed(const at::Tensor& dy, const at::Tensor& pre, Fp8DelayedScale& state, bool row_major,
+                                bool transposed, at::Tensor* db, at::ScalarType sum_dtype) {
+  BMT_CHECK(dy.dim() == 2 && (!pre.defined() || pre.sizes() == dy.sizes()), "nn::fp8_cast_grad_delayed: expected a "
+            "2-D gradient (and pre of its shape), got ", dy.sizes(), pre.defined() ? " and " : "",
+            pre.defined() ? pre.sizes() : at::IntArrayRef());
+  const bool cast = row_major || transposed;
+  if (!cast || !state.ready()) {  // (the first call: the dynamic cast, its amax the state's first record)
+    Fp8Tensor r = pre.defined()
+                      ? fp8_cast_dgelu_grad(Fp8Scaling::kTensor, dy, pre, state.format(), row_major, transposed, db,
+                                            sum_dtype)
+                      : fp8_cast_grad(Fp8Scaling::kTensor, dy, state.format(), row_major, transposed, db, sum_dtype);
+    if (cast) state.record_amax(r.stats.select(0, k::kFp8Amax));
+    return r;
+  }
+  BMT_CHECK(state.scale().device() == dy.device(), "nn::fp8_cast_grad_delayed: the delayed scale is on ",
+            state.scale().device(), ", the gradient on ", dy.device(), " (one state per tensor and device)");
+  BMT_CHECK(supported_dtype(dy.scalar_type()) && (!pre.defined() || pre.scalar_type() == dy.scalar_type()),
+            "nn::fp8_cast_grad_delayed: dtype ", dy.scalar_type(), " is not fp32, bf16 or fp16 (or pre's differs)");
+  const at::Tensor g = dy.contiguous(), p = pre.defined() ? pre.contiguous() : at::Tensor();
+  const int64_t rows = g.size(0), cols = g.size(1);
+  const auto opts = g.options().dtype(fp8_dtype(state.format()));
+  Fp8Tensor r;
+  if (row_major) r.data = at::empty({rows, cols}, opts);
+  if (transposed) r.data_t = at::empty({cols, rows}, opts);
+  if (db) *db = at::empty({cols}, g.options().dtype(sum_dtype));
+  auto* q = row_major ? static_cast<uint8_t*>(r.data.data_ptr()) : nullptr;
+  auto* qt = transposed ? static_cast<uint8_t*>(r.data_t.data_ptr()) : nullptr;
+  const core::DType dt = to_core_dtype(g.scalar_type());
+  const k::Fp8Format f = core_format(state.format());
+  const float* scale = state.scale().data_ptr<float>();
+  float* amax = state.amax().data_ptr<float>();
+  void* sums = db ? db->data_ptr() : nullptr;
+  const core::DType sum_dt = to_core_dtype(sum_dtype);
+  const void* pre_ptr = p.defined() ? p.data_ptr() : nullptr;
+  if (!g.is_cuda()) {
+    k::fp8_cast_grad_delayed_cpu(g.data_ptr(), pre_ptr, dt, rows, cols, scale, amax, f, q, qt, sums, sum_dt);
+    r.inv = state.record();
+    return r;
+  }
+#ifdef BMT_WITH_CUDA
+  c10::cuda::CUDAGuard guard(g.device());
+  if (!k::fp8_cast_grad_cuda_applies(rows, cols, g.data_ptr(), pre_ptr, q, qt)) {  // the separate ops
+    const at::Tensor d = p.defined() ? at::gelu_backward(g, p, "tanh") : g;
+    if (db) *db = column_sum(d, sum_dtype);
+    return cast_per_tensor(d, state.format(), row_major, transposed, at::Tensor(), nullptr, &state);
+  }
+  const at::Tensor ws = db ? at::empty({k::fp8_cast_grad_workspace_numel(rows, cols)}, g.options().dtype(at::kFloat))
+                           : at::Tensor();
+  k::fp8_cast_grad_delayed_cuda(g.data_ptr(), pre_ptr, dt, rows, cols, scale, amax, f, q, qt, sums, sum_dt,
+                                db ? ws.data_ptr<float>() : nullptr, current_stream_handle(g));
+  r.inv = state.record();
+  return r;
+#else
+  BMT_ERROR("nn::fp8_cast_grad_delayed: a CUDA tensor, but this bmtrain was built without CUDA (BMT_WITH_CUDA=OFF)");
+#endif
+}
+
 Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_major, bool transposed) {
   BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast_rowwise: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
   BMT_CHECK(supported_dtype(matrix.scalar_type()), "nn::fp8_cast_rowwise: dtype ", matrix.scalar_type(),
@@ -365,7 +440,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, std::nullopt,
                             static_cast<int64_t>(grad_format), static_cast<int64_t>(scaling),
                             grad && x.requires_grad(), grad && weight.requires_grad(), compute_output,
-                            fp8_delayed_inputs_enabled() ? scales : nullptr);
+                            fp8_delayed_inputs_enabled() ? scales : nullptr, delayed_grad_scale(scales, grad_format, scaling));
 }
 
 at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
@@ -385,7 +460,8 @@ at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, co
   return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
                             std::optional<at::Tensor>(residual), static_cast<int64_t>(grad_format),
                             static_cast<int64_t>(scaling), grad && x.requires_grad(), grad && weight.requires_grad(),
-                            true, fp8_delayed_inputs_enabled() ? scales : nullptr);
+                            true, fp8_delayed_inputs_enabled() ? scales : nullptr,
+                            delayed_grad_scale(scales, grad_format, scaling));
 }
 
 at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,
@@ -405,6 +481,10 @@ void set_fp8_dgelu_fused_enabled(bool enabled) { g_dgelu_fused.set(enabled); }
 bool fp8_delayed_inputs_enabled() { return g_delayed_inputs.enabled(); }
 
 void set_fp8_delayed_inputs_enabled(bool enabled) { g_delayed_inputs.set(enabled); }
+
+bool fp8_delayed_grads_enabled() { return g_delayed_grads.enabled(); }
+
+void set_fp8_delayed_grads_enabled(bool enabled) { g_delayed_grads.set(enabled); }
 
 Fp8Scaling fp8_scaling() { return g_scaling.get(); }
 

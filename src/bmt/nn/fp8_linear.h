@@ -34,7 +34,8 @@ struct Fp8LinearScales;
 // compute_output = false (a checkpointed Block's recompute whose output only roots the backward,
 // skip_block_outputs_now()): y is left uncomputed (NaN), no forward GEMM and no weight cast; node and gradients
 // are the same. scales (optional, per-tensor scaling): the delayed scales of x and the weight (nn/fp8_delayed_scale.h),
-// used when fp8_delayed_inputs_enabled(); the caller keeps them across steps, one per layer.
+// used when fp8_delayed_inputs_enabled(), and of dy (scales->grad, E5M2 gradients) when fp8_delayed_grads_enabled();
+// the caller keeps them across steps, one per layer.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = at::Tensor(),
                       Fp8Format grad_format = Fp8Format::kE5M2, Fp8Scaling scaling = Fp8Scaling::kTensor,
                       bool compute_output = true, Fp8LinearScales* scales = nullptr);
@@ -77,6 +78,15 @@ Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_
 // fp8_delayed_inputs_enabled().
 Fp8Tensor fp8_cast_delayed(const at::Tensor& matrix, Fp8DelayedScale& state, bool row_major, bool transposed);
 
+// A gradient's cast with its delayed scale (state: of the gradient's format), with its column sums in *db (sum_dtype;
+// db null: none): g = dy, or with pre defined g = gelu_backward(dy, pre, "tanh") (the tanh-GELU MLP's d pre). On CUDA
+// one kernel reads dy (and pre) once and writes the FP8 copies asked for and the sums
+// (core/kernels/fp8_cast_grad_internal.h): no amax pass, and d pre never exists in dtype. Before the state's first
+// record: the dynamic cast (fp8_cast_grad's), its amax recorded. The FP8 linears' backward uses it for dy when given
+// their Fp8LinearScales and fp8_delayed_grads_enabled().
+Fp8Tensor fp8_cast_grad_delayed(const at::Tensor& dy, const at::Tensor& pre, Fp8DelayedScale& state, bool row_major,
+                                bool transposed, at::Tensor* db, at::ScalarType sum_dtype);
+
 // The default gradient format of nn::Linear's FP8 path: BMT_FP8_GRAD=e5m2 (default) | e4m3, or set here.
 Fp8Format fp8_grad_format();
 void set_fp8_grad_format(Fp8Format format);
@@ -89,6 +99,11 @@ void set_fp8_dgelu_fused_enabled(bool enabled);
 // above its scale's range saturates.
 bool fp8_delayed_inputs_enabled();
 void set_fp8_delayed_inputs_enabled(bool enabled);
+// The FP8 linears' output gradients by fp8_cast_grad_delayed where a layer passes its Fp8LinearScales (E5M2 gradients;
+// with BMT_FP8_GRAD=e4m3 they stay dynamic): BMT_FP8_DELAYED_GRADS=1 | 0 (the default), or set here. Off until
+// measured: a gradient above its scale's range saturates (E5M2's range is 2^32 wide, the scale's window 16 steps).
+bool fp8_delayed_grads_enabled();
+void set_fp8_delayed_grads_enabled(bool enabled);
 // The default scaling of nn::Linear's FP8 path: BMT_FP8_SCALING=tensor (default) | row, or set here.
 Fp8Scaling fp8_scaling();
 void set_fp8_scaling(Fp8Scaling scaling);

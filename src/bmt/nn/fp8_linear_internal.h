@@ -47,6 +47,9 @@ Fp8Tensor fp8_cast_dgelu_grad(Fp8Scaling scaling, at::Tensor dmid, const at::Ten
 
 // Whether a layer's delayed scales can cast its forward GEMM's operands (given, both E4M3).
 bool e4m3_scales(const Fp8LinearScales* scales);
+// The layer's gradient state where its backward casts dy with it (scales given, fp8_delayed_grads_enabled(), per
+// tensor, the state of grad_format), else null.
+Fp8DelayedScale* delayed_grad_scale(Fp8LinearScales* scales, Fp8Format grad_format, Fp8Scaling scaling);
 
 // One epilogue GEMM (core/kernels/gemm_epilogue) on per-tensor FP8 operands: out = epilogue((a_inv b_inv) a b^T)
 // with a [rows, inner] and b [cols, inner] row-major, out / bias / aux / residual in out's dtype (undefined: none).

@@ -52,7 +52,8 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
                             const at::Tensor& w_proj, const at::Tensor& b_proj,
                             const std::optional<at::Tensor>& residual, int64_t grad_format, bool grad,
                             bool compute_output, bool epilogues, Fp8DelayedScale* gelu_scale,
-                            Fp8LinearScales* fc_scales, Fp8LinearScales* proj_scales) {
+                            Fp8LinearScales* fc_scales, Fp8LinearScales* proj_scales, Fp8DelayedScale* fc_grad,
+                            Fp8DelayedScale* proj_grad) {
     const int64_t in = w_fc.size(1), hidden = w_fc.size(0), out = w_proj.size(0);
     const at::Tensor x2 = x.contiguous().view({-1, in});
     const int64_t rows = x2.size(0);
@@ -105,6 +106,9 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     ctx->saved_data["has_residual"] = residual.has_value();
     ctx->saved_data["epilogues"] = epilogues;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
+    // (the gradients' delayed scales: the node holds the states, see delayed_scale_capsule)
+    if (fc_grad) ctx->saved_data["fc_grad"] = delayed_scale_capsule(*fc_grad);
+    if (proj_grad) ctx->saved_data["proj_grad"] = delayed_scale_capsule(*proj_grad);
     // (_unsafe_view: a view made inside a custom function could not be modified in place by the caller)
     return at::_unsafe_view(y, with_last(x.sizes(), out));
   }
@@ -125,9 +129,15 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     const bool want_dw2 = ctx->needs_input_grad(3);
     const bool want_db2 = ctx->needs_input_grad(4);
     at::Tensor dx, dw1, db1, dw2, db2, dres;
-    // (the bias gradients' reads of dy and d pre also take their amax: one read less per cast)
-    const Fp8Tensor dyq = fp8_cast_grad(Fp8Scaling::kTensor, dy2, gf, want_dpre, want_dw2, want_db2 ? &db2 : nullptr,
-                                        w_proj.scalar_type());
+    const auto fc_grad = ctx->saved_data.find("fc_grad"), proj_grad = ctx->saved_data.find("proj_grad");
+    const bool fc_delayed = fc_grad != ctx->saved_data.end(), proj_delayed = proj_grad != ctx->saved_data.end();
+    // (the bias gradients' reads of dy and d pre also take their amax: one read less per cast; delayed scales: the
+    // cast and the bias gradient in one read, d pre never written in dtype)
+    const Fp8Tensor dyq =
+        proj_delayed ? fp8_cast_grad_delayed(dy2, at::Tensor(), delayed_scale_of(proj_grad->second), want_dpre,
+                                             want_dw2, want_db2 ? &db2 : nullptr, w_proj.scalar_type())
+                     : fp8_cast_grad(Fp8Scaling::kTensor, dy2, gf, want_dpre, want_dw2, want_db2 ? &db2 : nullptr,
+                                     w_proj.scalar_type());
     if (want_dw2) dw2 = fp8_scaled_mm(dyq.data_t, dyq.inv, ht8, h_inv, w_proj.scalar_type(), false, std::nullopt);
     if (want_dpre) {
       // d pre = (dy w_proj) * gelu'(pre): GELU's gradient in the GEMM's epilogue (large problems, see
@@ -145,12 +155,19 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
       const bool want_db1 = ctx->needs_input_grad(2);
       // (no DGELU epilogue: GELU's gradient after the GEMM, with c_fc's bias gradient and d pre's amax in the same
       // kernel when fp8_dgelu_fused_enabled())
-      const Fp8Tensor dpq =
-          done ? fp8_cast_grad(Fp8Scaling::kTensor, dpre, gf, want_dx, want_dw1, want_db1 ? &db1 : nullptr,
-                               w_fc.scalar_type())
-               : fp8_cast_dgelu_grad(Fp8Scaling::kTensor,
-                                     fp8_scaled_mm(dyq.data, dyq.inv, w2t.data_t, w2t.inv, dtype, false, std::nullopt),
-                                     pre, gf, want_dx, want_dw1, want_db1 ? &db1 : nullptr, w_fc.scalar_type());
+      at::Tensor* db1_out = want_db1 ? &db1 : nullptr;
+      Fp8Tensor dpq;
+      if (done) {
+        dpq = fc_delayed ? fp8_cast_grad_delayed(dpre, at::Tensor(), delayed_scale_of(fc_grad->second), want_dx,
+                                                 want_dw1, db1_out, w_fc.scalar_type())
+                         : fp8_cast_grad(Fp8Scaling::kTensor, dpre, gf, want_dx, want_dw1, db1_out, w_fc.scalar_type());
+      } else {
+        at::Tensor dmid = fp8_scaled_mm(dyq.data, dyq.inv, w2t.data_t, w2t.inv, dtype, false, std::nullopt);
+        dpq = fc_delayed ? fp8_cast_grad_delayed(dmid, pre, delayed_scale_of(fc_grad->second), want_dx, want_dw1,
+                                                 db1_out, w_fc.scalar_type())
+                         : fp8_cast_dgelu_grad(Fp8Scaling::kTensor, std::move(dmid), pre, gf, want_dx, want_dw1,
+                                               db1_out, w_fc.scalar_type());
+      }
       if (want_dx) {
         const Fp8Tensor w1t =  // w_fc^T [in, hidden]
             w1_forward.data_t.defined() ? w1_forward : fp8_cast_weight_t(Fp8Scaling::kTensor, w_fc, w1_forward);
@@ -161,7 +178,7 @@ struct Fp8GeluMlpFn : torch::autograd::Function<Fp8GeluMlpFn> {
     }
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(5)) dres = grads[0];
     variable_list g = {dx, dw1, db1, dw2, db2, dres};
-    g.resize(13);  // (none for the seven non-tensor arguments)
+    g.resize(15);  // (none for the nine non-tensor arguments)
     return g;
   }
 };
@@ -174,15 +191,20 @@ bool fused_operands(std::initializer_list<const at::Tensor*> ts, const at::Tenso
   return fp8_linear_applies(x, w_fc) && w_proj.size(0) % 16 == 0;
 }
 
+// fc_scales / proj_scales: the forward operands' states (null: dynamic casts); their gradient states are used under
+// fp8_delayed_grads_enabled()
 at::Tensor apply(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                  const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format, bool compute_output,
-                 Fp8DelayedScale* gelu_scale, Fp8LinearScales* fc_scales, Fp8LinearScales* proj_scales) {
+                 Fp8DelayedScale* gelu_scale, Fp8LinearScales* fc_scales, Fp8LinearScales* proj_scales,
+                 Fp8LinearScales* fc_grad_scales, Fp8LinearScales* proj_grad_scales) {
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || w_fc.requires_grad() ||
                                                    w_proj.requires_grad() || b_fc.requires_grad());
   return Fp8GeluMlpFn::apply(x, w_fc, b_fc, w_proj, b_proj,
                              residual.defined() ? std::optional<at::Tensor>(residual) : std::nullopt,
                              static_cast<int64_t>(grad_format), grad, compute_output, /*epilogues=*/true,
-                             gelu_scale, fc_scales, proj_scales);
+                             gelu_scale, fc_scales, proj_scales,
+                             delayed_grad_scale(fc_grad_scales, grad_format, Fp8Scaling::kTensor),
+                             delayed_grad_scale(proj_grad_scales, grad_format, Fp8Scaling::kTensor));
 }
 
 }  // namespace
@@ -199,7 +221,7 @@ at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const
             "of 16 (rows ", x.numel() / std::max<int64_t>(x.size(-1), 1), ", features ", w_fc.size(1), ", ",
             w_fc.size(0), ", ", w_proj.size(0), ")");
   return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output, gelu_scale, fc_scales,
-               proj_scales);
+               proj_scales, fc_scales, proj_scales);
 }
 
 at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
@@ -212,11 +234,11 @@ at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::T
                      !at::autocast::is_autocast_enabled(at::kCUDA) &&
                      fused_operands({&w_fc, &b_fc, &w_proj, &b_proj}, x, w_fc, w_proj) &&
                      (!residual.defined() || fused_operands({&residual}, x, w_fc, w_proj));
-  const bool delayed = fp8_delayed_inputs_enabled();
+  const bool inputs = fp8_delayed_inputs_enabled();
   if (fused)
     return apply(x, w_fc, b_fc, w_proj, b_proj, residual, grad_format, compute_output,
-                 fp8_delayed_gelu_enabled() ? gelu_scale : nullptr, delayed ? fc_scales : nullptr,
-                 delayed ? proj_scales : nullptr);
+                 fp8_delayed_gelu_enabled() ? gelu_scale : nullptr, inputs ? fc_scales : nullptr,
+                 inputs ? proj_scales : nullptr, fc_scales, proj_scales);
   const Fp8Scaling scaling = fp8_scaling();
   const at::Tensor h = at::gelu(fp8_linear(x, w_fc, b_fc, grad_format, scaling, true, fc_scales), "tanh");
   const at::Tensor y = fp8_linear(h, w_proj, b_proj, grad_format, scaling, compute_output, proj_scales);

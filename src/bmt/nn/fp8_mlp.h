@@ -26,13 +26,16 @@ namespace bmt::nn {
 // transposed copy for wgrad is a byte transpose: no cast reads a bf16 h. Until gelu_scale is ready(), and where
 // cuBLASLt has no such algorithm, h is cast dynamically and its amax recorded.
 // fc_scales / proj_scales (the caller's, c_fc's and c_proj's; used when fp8_delayed_inputs_enabled()): x and the
-// weights cast by nn::fp8_cast_delayed, each weight's transposed copy in the same pass and kept for the backward.
+// weights cast by nn::fp8_cast_delayed, each weight's transposed copy in the same pass and kept for the backward;
+// their grad states when fp8_delayed_grads_enabled(): c_proj's dy and c_fc's d pre by nn::fp8_cast_grad_delayed (d pre
+// from dmid and pre, with c_fc's bias gradient, in one pass that writes only its FP8 copies).
 at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
                         const at::Tensor& b_proj, const at::Tensor& residual, Fp8Format grad_format,
                         bool compute_output = true, Fp8DelayedScale* gelu_scale = nullptr,
                         Fp8LinearScales* fc_scales = nullptr, Fp8LinearScales* proj_scales = nullptr);
 // The fused autograd function on any device (CPU: the epilogue GEMMs' fp64 twin, slow; for tests). Needs biases.
-// gelu_scale, fc_scales and proj_scales: as fp8_gelu_mlp's, used whatever the switches say.
+// gelu_scale, fc_scales and proj_scales: as fp8_gelu_mlp's, used whatever the switches say (their grad states: under
+// fp8_delayed_grads_enabled(), as fp8_gelu_mlp's).
 at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc,
                               const at::Tensor& w_proj, const at::Tensor& b_proj, const at::Tensor& residual,
                               Fp8Format grad_format, bool compute_output = true,

@@ -438,5 +438,75 @@ def fp8_delayed_input_scale_from_python():
         bmt.nn.set_fp8_delayed_inputs(prev)
 
 
+@case
+def fp8_delayed_grad_scale_from_python():
+    """set_fp8_delayed_grads(True): the backward of bmt.nn.fp8_linear(scales=) and of bmt.nn.Linear(fp8=True) casts the
+    output gradient with its delayed scale (Fp8LinearScales.grad, E5M2), the bias gradient from the same pass. The
+    first call is the dynamic cast (amax recorded), the second with the same gradient uses that amax's scale: outputs
+    and dx, dw bit for bit the call without scales, db to fp32 rounding; a smaller gradient is cast with the window's
+    larger scale: within FP8 rounding, not equal. Switch off: the state is not touched; the autograd node keeps the
+    state alive when the caller drops its scales before the backward."""
+    import gc
+    x0 = rank_input(rank(), ROWS, IN, seed=81)
+    w0, b0 = _w(82)
+    g = rank_input(rank(), ROWS, OUT, seed=83) * 0.01
+
+    def run(fn, grad):
+        xi, w, b = x0.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        y = fn(xi, w, b)
+        y.backward(grad)
+        return [y.detach(), xi.grad, w.grad, b.grad]
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    dynamic, dynamic_small = run(bmt.nn.fp8_linear, g), run(bmt.nn.fp8_linear, g * 0.3)
+    prev = bmt.nn.fp8_delayed_grads()
+    try:
+        bmt.nn.set_fp8_delayed_grads(False)
+        off = bmt.nn.Fp8LinearScales()
+        run(lambda *t: bmt.nn.fp8_linear(*t, scales=off), g)
+        if off.grad.ready:
+            raise AssertionError("switch off: the gradient's delayed scale was used")
+        bmt.nn.set_fp8_delayed_grads(True)
+        if not bmt.nn.fp8_delayed_grads():
+            raise AssertionError("set_fp8_delayed_grads(True) did not switch")
+        s = bmt.nn.Fp8LinearScales()
+        for call in ("first call (dynamic, amax recorded)", "second call (the recorded scale)"):
+            got = run(lambda *t: bmt.nn.fp8_linear(*t, scales=s), g)
+            for i in range(3):
+                assert_equal(f"{call}: output/gradient {i}", got[i], dynamic[i])
+            if rel(got[3], dynamic[3]) > 1e-5:
+                raise AssertionError(f"{call}: the bias gradient differs by {rel(got[3], dynamic[3]):.3g}")
+        assert_equal("the gradient's newest amax", s.grad.history[0].cpu(), g.abs().max().float().cpu())
+        if s.input.ready or s.weight.ready:
+            raise AssertionError("the forward's states moved without set_fp8_delayed_inputs")
+        small = run(lambda *t: bmt.nn.fp8_linear(*t, scales=s), g * 0.3)
+        if torch.equal(small[1], dynamic_small[1]):
+            raise AssertionError("a smaller gradient gave the dynamic cast's dx: the delayed scale was not used")
+        for i, name in ((1, "dx"), (2, "dw")):
+            if rel(small[i], dynamic_small[i]) > 0.1:
+                raise AssertionError(f"a smaller gradient: {name} differs by {rel(small[i], dynamic_small[i]):.3g}")
+        # the node holds the state: the caller's scales dropped between forward and backward
+        kept = bmt.nn.Fp8LinearScales()
+        run(lambda *t: bmt.nn.fp8_linear(*t, scales=kept), g)
+        window = kept.grad.history  # (a tensor of the shared state)
+        xi = x0.clone().requires_grad_()
+        y = bmt.nn.fp8_linear(xi, w0, b0, scales=kept)
+        del kept
+        gc.collect()
+        y.backward(g * 0.3)
+        assert_equal("dx with the dropped scales", xi.grad, small[1])
+        assert_equal("the node's record", window[0].cpu(), (g * 0.3).abs().max().float().cpu())
+        # bmt.nn.Linear keeps its scales under this switch alone
+        layer = bmt.nn.Linear(IN, OUT, dtype=torch.float32, fp8=True)
+        bmt.init_parameters(layer)
+        layer(x0).backward(g)
+        if not layer._fp8_scales.grad.ready:
+            raise AssertionError("Linear(fp8) did not record its gradient's amax")
+    finally:
+        bmt.nn.set_fp8_delayed_grads(prev)
+
+
 if __name__ == "__main__":
     main()

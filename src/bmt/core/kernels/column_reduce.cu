@@ -12,6 +12,7 @@
 #include "bmt/core/kernels/column_reduce_internal.h"
 #include "bmt/core/kernels/element_access.cuh"
 #include "bmt/core/kernels/fp8_cast_internal.cuh"
+#include "bmt/core/kernels/gelu_internal.cuh"
 
 namespace bmt::core::kernels {
 namespace {
@@ -19,21 +20,8 @@ namespace {
 constexpr int kColLanes = 32, kRowLanes = 8, kStage1Threads = kColLanes * kRowLanes;
 constexpr int kSlabLanes = 32, kStage2Threads = kColLanes * kSlabLanes;
 
-// d gelu_tanh(x) / dx in fp32 (the CPU twin's gelu_tanh_grad, torch's gelu_backward formula).
-__device__ __forceinline__ float gelu_tanh_grad(float x) {
-  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
-  const float x2 = x * x;
-  const float t = tanhf(kSqrt2OverPi * (x + kCubic * x2 * x));
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kCubic * x2);
-}
-
-// x rounded into D and back (the value a store then a load gives).
-template <DType D>
-__device__ __forceinline__ float rounded(float x) {
-  if constexpr (D == DType::kBFloat16) return __bfloat162float(__float2bfloat16_rn(x));
-  if constexpr (D == DType::kFloat16) return __half2float(__float2half_rn(x));
-  return x;
-}
+using detail::gelu_tanh_grad;
+using detail::rounded;
 
 // kOutputs = 1: column sums of dy (kDGelu: of dgrad = dy * gelu'(x), written as it goes); 2: LayerNorm's
 // (sum dy * xhat, sum dy).
@@ -228,6 +216,16 @@ void dgelu_column_sum_cuda(const void* dy, const void* pre, DType dtype, int64_t
   BMT_CHECK(pre && dgrad, "dgelu_column_sum_cuda: null pre or dgrad");
   column_sums(dy, pre, dgrad, dtype, rows, cols, out, out_dtype, workspace, static_cast<cudaStream_t>(stream),
               amax_partial, "dgelu_column_sum_cuda");
+}
+
+void column_partials_sum_cuda(const float* partial, int64_t slabs, int64_t cols, void* out, DType out_dtype,
+                              void* stream) {
+  check_dtypes(DType::kFloat32, out_dtype, "column_partials_sum_cuda");
+  BMT_CHECK(slabs >= 1 && cols >= 0 && (cols == 0 || (partial && out)), "column_partials_sum_cuda: bad arguments (",
+            slabs, " slabs, ", cols, " columns)");
+  if (cols == 0) return;
+  finish(partial, slabs, cols, out, out_dtype, static_cast<cudaStream_t>(stream));
+  check_launch("column_partials_sum_cuda");
 }
 
 void layer_norm_param_grads_cuda(const void* dy, const void* x, DType dtype, const float* mean, const float* rstd,

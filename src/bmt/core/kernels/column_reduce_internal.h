@@ -51,6 +51,10 @@ void column_sum_cuda(const void* dy, DType dtype, int64_t rows, int64_t cols, vo
 void dgelu_column_sum_cuda(const void* dy, const void* pre, DType dtype, int64_t rows, int64_t cols, void* dgrad,
                            void* out, DType out_dtype, float* workspace, void* stream,
                            uint32_t* amax_partial = nullptr);
+// Stage 2 alone, for a kernel that wrote its own stage-1 partials (fp8_cast_grad_delayed_cuda): out[c] = the sum over
+// s < slabs of partial[s * cols + c], in the fixed order stage 2 always uses, rounded once into out_dtype.
+void column_partials_sum_cuda(const float* partial, int64_t slabs, int64_t cols, void* out, DType out_dtype,
+                              void* stream);
 void layer_norm_param_grads_cuda(const void* dy, const void* x, DType dtype, const float* mean, const float* rstd,
                                  int64_t rows, int64_t cols, void* dgamma, void* dbeta, DType out_dtype,
                                  float* workspace, void* stream);
