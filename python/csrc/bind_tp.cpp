@@ -59,8 +59,12 @@ void bind_tp(py::module_& m) {
          py::arg("sequence_parallel"), release);
   tp.def("vocab_parallel_lookup_replicated_ids", &nn::vocab_parallel_lookup_replicated_ids, py::arg("ids"),
          py::arg("weight"), py::arg("sequence_parallel"), release);
-  tp.def("vocab_parallel_projection", &nn::vocab_parallel_projection, py::arg("input"), py::arg("weight"),
-         py::arg("sequence_parallel"), py::arg("fp8") = false, release);
+  tp.def(
+      "vocab_parallel_projection",
+      [](const at::Tensor& x, const at::Tensor& w, bool sequence_parallel, bool fp8) {
+        return nn::vocab_parallel_projection(x, w, sequence_parallel, fp8);
+      },
+      py::arg("input"), py::arg("weight"), py::arg("sequence_parallel"), py::arg("fp8") = false, release);
   tp.def(
       "op_parallel_linear",
       [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, bool gather_input,

@@ -47,7 +47,7 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& ids, const at::Tensor& w) {
 }
 
 at::Tensor EmbeddingImpl::projection(const at::Tensor& x, const at::Tensor& w) {
-  return linear_or_fp8(x, w.defined() ? w : gathered(weight), at::Tensor(), fp8);
+  return linear_or_fp8(x, w.defined() ? w : gathered(weight), at::Tensor(), fp8, true, &fp8_scales);
 }
 
 }  // namespace bmt::nn

@@ -59,6 +59,9 @@ class EmbeddingImpl : public torch::nn::Module {
   // The tied projection's GEMMs in FP8 (nn::linear_or_fp8: the process's gradient format and scaling; bf16 when a
   // dimension is not a multiple of 16). The lookup is unaffected. Off by default: a language model's head.
   bool fp8 = false;
+  // The projection's delayed scales (its input, the table, the logits' gradient: BMT_FP8_DELAYED_INPUTS /
+  // BMT_FP8_DELAYED_GRADS, as LinearImpl::fp8_scales; not in checkpoints).
+  Fp8LinearScales fp8_scales;
   at::Tensor weight;  // (num_embeddings, dim)
 };
 TORCH_MODULE(Embedding);

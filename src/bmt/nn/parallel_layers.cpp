@@ -114,7 +114,7 @@ at::Tensor VPEmbeddingImpl::forward_replicated_ids(const at::Tensor& ids, const 
 
 at::Tensor VPEmbeddingImpl::projection(const at::Tensor& x, const at::Tensor& gathered_weight) {
   return vocab_parallel_projection(x, gathered_weight.defined() ? gathered_weight : gathered(weight),
-                                   sequence_parallel, fp8);
+                                   sequence_parallel, fp8, &fp8_scales);
 }
 
 void VPEmbeddingImpl::pretty_print(std::ostream& os) const {

@@ -84,6 +84,7 @@ class VPEmbeddingImpl : public torch::nn::Module {
   int64_t vocab_size, embedding_size, vocab_per_partition, vocab_begin;
   bool sequence_parallel;
   bool fp8 = false;  // this rank's projection GEMM in FP8 (nn::linear_or_fp8), as EmbeddingImpl::fp8
+  Fp8LinearScales fp8_scales;  // the projection's delayed scales (as EmbeddingImpl's; not in checkpoints)
   at::Tensor weight;  // (vocab/tp, embedding_size)
 };
 TORCH_MODULE(VPEmbedding);

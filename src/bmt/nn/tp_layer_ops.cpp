@@ -85,10 +85,10 @@ at::Tensor vocab_parallel_lookup_replicated_ids(const at::Tensor& ids, const at:
 }
 
 at::Tensor vocab_parallel_projection(const at::Tensor& x, const at::Tensor& weight, bool sequence_parallel,
-                                     bool fp8) {
+                                     bool fp8, Fp8LinearScales* scales) {
   check_features("VPEmbedding projection", x, weight);
-  if (!sequence_parallel) return linear_or_fp8(tp::copy_to_tp(x), weight, at::Tensor(), fp8);
-  at::Tensor y = linear_or_fp8(tp::gather_rows(x), weight, at::Tensor(), fp8);
+  if (!sequence_parallel) return linear_or_fp8(tp::copy_to_tp(x), weight, at::Tensor(), fp8, true, scales);
+  at::Tensor y = linear_or_fp8(tp::gather_rows(x), weight, at::Tensor(), fp8, true, scales);
   // BMTrain views the gathered rows as (x.size(0), -1, ·): the same memory as (tp · x.size(0), ...).
   return x.dim() >= 3 ? y.view({x.size(0), -1, y.size(-1)}) : y;
 }

@@ -55,9 +55,9 @@ at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight, co
 at::Tensor vocab_parallel_lookup(const at::Tensor& ids, const at::Tensor& weight, bool sequence_parallel);
 at::Tensor vocab_parallel_lookup_replicated_ids(const at::Tensor& ids, const at::Tensor& weight,
                                                 bool sequence_parallel);
-// fp8: this rank's GEMM through nn::linear_or_fp8, as column_parallel_linear's.
+// fp8: this rank's GEMM through nn::linear_or_fp8, as column_parallel_linear's (scales: its delayed scales).
 at::Tensor vocab_parallel_projection(const at::Tensor& x, const at::Tensor& weight, bool sequence_parallel,
-                                     bool fp8 = false);
+                                     bool fp8 = false, Fp8LinearScales* scales = nullptr);
 at::Tensor op_parallel_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                               bool gather_input, bool gather_output, bool split_input, TpReduce reduce,
                               int64_t overlap_chunks = 0);
