@@ -90,7 +90,9 @@ TEST(Fp8CastGradDelayedCuda, MatchesTheSeparateCudaOpsAndTheTwin) {
             EXPECT_TRUE(a == b || (std::isnan(a) && std::isnan(b))) << what << ": amax " << a << " vs " << b;
             if (!with_nan) {
               EXPECT_LT(rel(sums, ref_sums), 1e-5) << what;
-              // the twin (fp64 GELU gradient: the bf16 values may differ by one rounding in a few elements)
+              // the twin. Its GELU gradient is fp64, the kernel's fp32: near gelu'(pre) = 0 (pre ~ -0.75) the fp32
+              // formula cancels, and with this scale (2e6) its ~1e-7 absolute error moves ~1% of the bytes by one
+              // E5M2 step (measured on an H100: 0.8%); the bit-exact reference is the separate CUDA ops above.
               const at::Tensor dc = dy.cpu(), pc = pre.cpu();
               at::Tensor tq = at::zeros({rows, cols}, at::kByte), ts = at::zeros({cols}), ta = at::zeros({});
               const at::Tensor sc = scale.cpu();
@@ -99,8 +101,14 @@ TEST(Fp8CastGradDelayedCuda, MatchesTheSeparateCudaOpsAndTheTwin) {
                                            tq.data_ptr<uint8_t>(), nullptr, ts.data_ptr(),
                                            bmt::core::DType::kFloat32);
               if (want_q) {
-                const double same = q.cpu().eq(tq).to(at::kDouble).mean().item<double>();
-                EXPECT_GE(same, dgelu ? 0.999 : 1.0) << what;
+                const at::Tensor got = q.cpu(), same = got.eq(tq);
+                EXPECT_GE(same.to(at::kDouble).mean().item<double>(), dgelu ? 0.97 : 1.0) << what;
+                // every other byte one E5M2 step away (in scaled units: a quarter of the value, or 2^-16 near 0)
+                const at::Tensor a = got.view(at::kFloat8_e5m2).to(at::kDouble);
+                const at::Tensor b = tq.view(at::kFloat8_e5m2).to(at::kDouble);
+                EXPECT_TRUE(((a - b).abs() <= at::maximum(a.abs(), b.abs()) * 0.25 + std::ldexp(1.0, -16)).all()
+                                .item<bool>())
+                    << what;
               }
               EXPECT_LT(rel(sums, ts), 1e-5) << what;
               EXPECT_LT(std::fabs(a - ta.item<float>()), 1e-2 * ta.item<float>()) << what;
