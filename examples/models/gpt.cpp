@@ -37,7 +37,9 @@ GptAttentionImpl::GptAttentionImpl(const ModelConfig& c, at::ScalarType dtype, c
 
 at::Tensor GptAttentionImpl::forward(const at::Tensor& x, const at::Tensor& shape, const at::Tensor& residual) {
   // Rows in; Q, K and V of the heads this rank computes (all of them unless c_attn is split) for every row.
-  auto qkv = rows_to_batch(c_attn.forward(x), shape).chunk(3, -1);
+  // (as three pieces of one node: the FP8 backward reads q's, k's and v's gradients without concatenating them)
+  std::vector<at::Tensor> qkv = c_attn.forward_parts(x, 3);
+  for (at::Tensor& t : qkv) t = rows_to_batch(t, shape);
   const int64_t heads = qkv[0].size(-1) / head_dim;
   at::Tensor y =
       bmt::nn::causal_attention(split_heads(qkv[0], heads), split_heads(qkv[1], heads), split_heads(qkv[2], heads));

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "bmt/core/kernels/column_reduce_internal.h"
 #include "bmt/core/kernels/fp8_cast_grad_internal.h"
@@ -122,6 +124,40 @@ TEST(Fp8CastGradDelayedCuda, MatchesTheSeparateCudaOpsAndTheTwin) {
     }
   }
   EXPECT_EQ(cases, 4 * 2 * 2 * 3 * 2);
+}
+
+TEST(Fp8CastGradDelayedCuda, PiecesEqualTheirConcatenation) {
+  // the pieces read in place: bytes, amax and sums bit for bit those of the concatenated gradient (the same values at
+  // the same tile positions), at GPT's c_attn shape and with pieces narrower than a tile
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  const auto f32 = bf16.dtype(at::kFloat), bytes = bf16.dtype(at::kByte);
+  for (const auto& [rows, piece, parts] : {std::tuple<int64_t, int64_t, int>{16384, 2048, 3}, {72, 40, 3}, {64, 96, 2}}) {
+    std::vector<at::Tensor> ps;
+    const void* ptrs[3] = {};
+    for (int i = 0; i < parts; ++i) ps.push_back(at::randn({rows, piece}, bf16) * 0.01), ptrs[i] = ps.back().data_ptr();
+    const at::Tensor whole = at::cat(ps, 1);
+    const int64_t cols = piece * parts;
+    const at::Tensor scale = at::full({}, 57344.0f / 0.05f, f32);
+    at::Tensor q1 = at::zeros({rows, cols}, bytes), qt1 = at::zeros({cols, rows}, bytes), s1 = at::zeros({cols}, f32);
+    at::Tensor q2 = at::zeros_like(q1), qt2 = at::zeros_like(qt1), s2 = at::zeros_like(s1);
+    at::Tensor a1 = at::zeros({}, f32), a2 = at::zeros({}, f32);
+    at::Tensor ws = at::empty({k::fp8_cast_grad_workspace_numel(rows, cols)}, f32), ws2 = at::empty_like(ws);
+    const std::string what = std::to_string(rows) + "x" + std::to_string(piece) + "x" + std::to_string(parts);
+    ASSERT_TRUE(k::fp8_cast_grad_parts_cuda_applies(rows, cols, ptrs, parts, q1.data_ptr<uint8_t>(),
+                                                    qt1.data_ptr<uint8_t>())) << what;
+    k::fp8_cast_grad_parts_delayed_cuda(ptrs, parts, bmt::core::DType::kBFloat16, rows, cols, scale.data_ptr<float>(),
+                                        a1.data_ptr<float>(), k::Fp8Format::kE5M2, q1.data_ptr<uint8_t>(),
+                                        qt1.data_ptr<uint8_t>(), s1.data_ptr(), bmt::core::DType::kFloat32,
+                                        ws.data_ptr<float>(), stream());
+    k::fp8_cast_grad_delayed_cuda(whole.data_ptr(), nullptr, bmt::core::DType::kBFloat16, rows, cols,
+                                  scale.data_ptr<float>(), a2.data_ptr<float>(), k::Fp8Format::kE5M2,
+                                  q2.data_ptr<uint8_t>(), qt2.data_ptr<uint8_t>(), s2.data_ptr(),
+                                  bmt::core::DType::kFloat32, ws2.data_ptr<float>(), stream());
+    EXPECT_TRUE(at::equal(q1, q2) && at::equal(qt1, qt2)) << what;
+    EXPECT_TRUE(at::equal(s1, s2) && at::equal(a1, a2)) << what;
+    EXPECT_GT(a1.item<float>(), 0.0f) << what;
+  }
 }
 
 TEST(Fp8DelayedGradsCuda, LinearAndMlpMatchTheDynamicPath) {

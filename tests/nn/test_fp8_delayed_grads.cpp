@@ -210,3 +210,36 @@ TEST(Fp8DelayedGrads, LinearAndMlpCastTheirGradientsWithTheDelayedScales) {
   for (size_t i = 0; i < msmall.size(); ++i) EXPECT_LT(rel_diff(msmall[i], mdyn_small[i]), 0.15) << "grad " << i;
   EXPECT_FALSE(at::equal(msmall[0], mdyn_small[0])) << "dx from the delayed scales";
 }
+
+TEST(Fp8DelayedGrads, LinearInPiecesIsTheLinearChunked) {
+  // fp8_linear_parts: the output in pieces of one node; values and every gradient those of fp8_linear's output
+  // chunked, with dynamic and with delayed gradient scales (the pieces' gradients concatenated by the twin on CPU); a
+  // piece left unused gets a zero gradient
+  at::manual_seed(74);
+  const at::Tensor x = at::randn({32, 48}), w = at::randn({96, 48}) * 0.2, b = at::randn({96}) * 0.1;
+  const at::Tensor g = at::randn({32, 96}) * 0.01;
+  auto run = [&](bool pieces, bmt::nn::Fp8LinearScales* s, bool drop_last) {
+    at::Tensor xi = x.clone().requires_grad_(), wi = w.clone().requires_grad_(), bi = b.clone().requires_grad_();
+    std::vector<at::Tensor> ys =
+        pieces ? bmt::nn::fp8_linear_parts(xi, wi, bi, 3, Fp8Format::kE5M2, bmt::nn::Fp8Scaling::kTensor, true, s)
+               : bmt::nn::fp8_linear(xi, wi, bi, Fp8Format::kE5M2, bmt::nn::Fp8Scaling::kTensor, true, s).chunk(3, -1);
+    const std::vector<at::Tensor> gs = g.chunk(3, -1);
+    at::Tensor loss = (ys[0] * gs[0]).sum() + (ys[1] * gs[1]).sum();
+    if (!drop_last) loss = loss + (ys[2] * gs[2]).sum();
+    loss.backward();
+    return std::vector<at::Tensor>{at::cat({ys[0], ys[1], ys[2]}, 1).detach(), xi.grad(), wi.grad(), bi.grad()};
+  };
+  for (const bool drop : {false, true}) {
+    const auto want = run(false, nullptr, drop), got = run(true, nullptr, drop);
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << "dynamic, item " << i;
+  }
+  DelayedGradsOn on;
+  bmt::nn::Fp8LinearScales whole, pieces;
+  for (int call = 0; call < 3; ++call) {
+    const auto want = run(false, &whole, false), got = run(true, &pieces, false);
+    for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << "delayed, call " << call << " item " << i;
+    EXPECT_LT(rel_diff(got[3], want[3]), 1e-6);
+  }
+  EXPECT_EQ(pieces.grad.history()[0].item<float>(), g.abs().max().item<float>());
+  EXPECT_THROW(bmt::nn::fp8_linear_parts(x, w, b, 5), std::exception) << "96 features do not split into 5";
+}

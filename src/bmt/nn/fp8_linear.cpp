@@ -46,10 +46,11 @@ EnvChoice<Fp8Scaling, 2> g_scaling("BMT_FP8_SCALING", {{{"tensor", Fp8Scaling::k
 bool supported_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
-                            int64_t grad_format, int64_t scaling_id, bool want_dx, bool want_dw, bool compute,
-                            Fp8LinearScales* scales, Fp8DelayedScale* grad_scale) {
+  // parts > 1: the output as that many pieces of its last dimension (fp8_linear_parts), their gradients read in place
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                               int64_t grad_format, int64_t scaling_id, bool want_dx, bool want_dw, bool compute,
+                               Fp8LinearScales* scales, Fp8DelayedScale* grad_scale, int64_t parts) {
     const int64_t in = weight.size(1), out = weight.size(0);
     const auto scaling = static_cast<Fp8Scaling>(scaling_id);
     const at::Tensor x2 = x.contiguous().view({-1, in});
@@ -97,8 +98,10 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     if (grad_scale) ctx->saved_data["grad_scale"] = delayed_scale_capsule(*grad_scale);
+    ctx->saved_data["out_features"] = out;
     // (_unsafe_view: a view made inside a custom function could not be modified in place by the caller)
-    return at::_unsafe_view(y, with_last(x.sizes(), out));
+    const at::Tensor y_view = at::_unsafe_view(y, with_last(x.sizes(), out));
+    return parts == 1 ? variable_list{y_view} : y_view.chunk(parts, -1);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -110,22 +113,31 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const auto scaling = static_cast<Fp8Scaling>(ctx->saved_data["scaling"].toInt());
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
-    const int64_t out = grads[0].size(-1);
-    const at::Tensor dy2 = grads[0].contiguous().view({-1, out});
+    const int64_t out = ctx->saved_data["out_features"].toInt();
     const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
     const bool want_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
     at::Tensor dx, dw, db;
-    // (one cast for both copies; the bias gradient's read of dy also takes dy's amax)
+    // the pieces' gradients as 2-D [rows, out / parts] (an unused piece: zeros)
+    std::vector<at::Tensor> pieces;
+    const int64_t piece = out / static_cast<int64_t>(grads.size());
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < x_sizes.size(); ++i) rows *= x_sizes[i];
+    const auto defined = std::find_if(grads.begin(), grads.end(), [](const at::Tensor& g) { return g.defined(); });
+    for (const at::Tensor& g : grads)
+      pieces.push_back(g.defined() ? g.contiguous().view({-1, piece}) : at::zeros({rows, piece}, defined->options()));
+    // (one cast for both copies; the bias gradient's read of dy also takes dy's amax; with a delayed scale one pass
+    // reads the pieces where they are)
     const auto grad_scale = ctx->saved_data.find("grad_scale");
+    const bool delayed = grad_scale != ctx->saved_data.end();
+    const at::Tensor dy2 = delayed || pieces.size() == 1 ? pieces[0] : at::cat(pieces, 1);
     const Fp8Tensor dyq =
-        grad_scale != ctx->saved_data.end()
-            ? fp8_cast_grad_delayed(dy2, at::Tensor(), delayed_scale_of(grad_scale->second), want_dx, want_dw,
-                                    want_db ? &db : nullptr, w_dtype)
-            : fp8_cast_grad(scaling, dy2, grad_format, want_dx, want_dw, want_db ? &db : nullptr, w_dtype);
+        delayed ? fp8_cast_grad_delayed_parts(pieces, delayed_scale_of(grad_scale->second), want_dx, want_dw,
+                                              want_db ? &db : nullptr, w_dtype)
+                : fp8_cast_grad(scaling, dy2, grad_format, want_dx, want_dw, want_db ? &db : nullptr, w_dtype);
     if (want_dx) {
       // W^T [in, out] row-major
       const Fp8Tensor wq = w_forward.data_t.defined() ? w_forward : fp8_cast_weight_t(scaling, weight, w_forward);
-      dx = fp8_scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), grads[0].scalar_type(), false,
+      dx = fp8_scaled_mm(dyq.data, dyq.inv_scale(), wq.data_t, wq.inv_scale_t(), pieces[0].scalar_type(), false,
                          std::nullopt)
                .view(x_sizes);
     }
@@ -133,7 +145,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     at::Tensor dres;
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(3)) dres = grads[0];
     variable_list g = {dx, dw, db, dres};
-    g.resize(11);  // (none for the seven non-tensor arguments)
+    g.resize(12);  // (none for the eight non-tensor arguments)
     return g;
   }
 };
@@ -386,6 +398,50 @@ Fp8Tensor fp8_cast_grad_delayed(const at::Tensor& dy, const at::Tensor& pre, Fp8
 #endif
 }
 
+Fp8Tensor fp8_cast_grad_delayed_parts(at::TensorList pieces, Fp8DelayedScale& state, bool row_major,
+                                      bool transposed, at::Tensor* db, at::ScalarType sum_dtype) {
+  BMT_CHECK(!pieces.empty() && static_cast<int>(pieces.size()) <= k::kFp8CastGradMaxParts,
+            "nn::fp8_cast_grad_delayed_parts: 1 to ", k::kFp8CastGradMaxParts, " pieces, got ", pieces.size());
+  for (const at::Tensor& p : pieces)
+    BMT_CHECK(p.dim() == 2 && p.sizes() == pieces[0].sizes() && p.scalar_type() == pieces[0].scalar_type() &&
+                  p.device() == pieces[0].device(),
+              "nn::fp8_cast_grad_delayed_parts: the pieces must be 2-D, of one shape, dtype and device (got ",
+              p.sizes(), " and ", pieces[0].sizes(), ")");
+  if (pieces.size() == 1) return fp8_cast_grad_delayed(pieces[0], at::Tensor(), state, row_major, transposed, db, sum_dtype);
+#ifdef BMT_WITH_CUDA
+  const at::Tensor& first = pieces[0];
+  if (first.is_cuda() && state.ready() && (row_major || transposed) && supported_dtype(first.scalar_type()) &&
+      state.scale().device() == first.device()) {
+    std::vector<at::Tensor> ps;
+    const void* ptrs[k::kFp8CastGradMaxParts] = {};
+    for (size_t i = 0; i < pieces.size(); ++i) ps.push_back(pieces[i].contiguous()), ptrs[i] = ps.back().data_ptr();
+    const int parts = static_cast<int>(ps.size());
+    const int64_t rows = first.size(0), cols = first.size(1) * parts;
+    const auto opts = first.options().dtype(fp8_dtype(state.format()));
+    Fp8Tensor r;
+    if (row_major) r.data = at::empty({rows, cols}, opts);
+    if (transposed) r.data_t = at::empty({cols, rows}, opts);
+    auto* q = row_major ? static_cast<uint8_t*>(r.data.data_ptr()) : nullptr;
+    auto* qt = transposed ? static_cast<uint8_t*>(r.data_t.data_ptr()) : nullptr;
+    if (k::fp8_cast_grad_parts_cuda_applies(rows, cols, ptrs, parts, q, qt)) {
+      c10::cuda::CUDAGuard guard(first.device());
+      if (db) *db = at::empty({cols}, first.options().dtype(sum_dtype));
+      const at::Tensor ws =
+          db ? at::empty({k::fp8_cast_grad_workspace_numel(rows, cols)}, first.options().dtype(at::kFloat))
+             : at::Tensor();
+      k::fp8_cast_grad_parts_delayed_cuda(ptrs, parts, to_core_dtype(first.scalar_type()), rows, cols,
+                                          state.scale().data_ptr<float>(), state.amax().data_ptr<float>(),
+                                          core_format(state.format()), q, qt, db ? db->data_ptr() : nullptr,
+                                          to_core_dtype(sum_dtype), db ? ws.data_ptr<float>() : nullptr,
+                                          current_stream_handle(first));
+      r.inv = state.record();
+      return r;
+    }
+  }
+#endif
+  return fp8_cast_grad_delayed(at::cat(pieces, 1), at::Tensor(), state, row_major, transposed, db, sum_dtype);
+}
+
 Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_major, bool transposed) {
   BMT_CHECK(matrix.dim() == 2, "nn::fp8_cast_rowwise: expected a 2-D tensor, got ", matrix.dim(), " dimensions");
   BMT_CHECK(supported_dtype(matrix.scalar_type()), "nn::fp8_cast_rowwise: dtype ", matrix.scalar_type(),
@@ -440,7 +496,8 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, std::nullopt,
                             static_cast<int64_t>(grad_format), static_cast<int64_t>(scaling),
                             grad && x.requires_grad(), grad && weight.requires_grad(), compute_output,
-                            fp8_delayed_inputs_enabled() ? scales : nullptr, delayed_grad_scale(scales, grad_format, scaling));
+                            fp8_delayed_inputs_enabled() ? scales : nullptr, delayed_grad_scale(scales, grad_format, scaling),
+                            int64_t{1})[0];
 }
 
 at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
@@ -461,13 +518,40 @@ at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, co
                             std::optional<at::Tensor>(residual), static_cast<int64_t>(grad_format),
                             static_cast<int64_t>(scaling), grad && x.requires_grad(), grad && weight.requires_grad(),
                             true, fp8_delayed_inputs_enabled() ? scales : nullptr,
-                            delayed_grad_scale(scales, grad_format, scaling));
+                            delayed_grad_scale(scales, grad_format, scaling), int64_t{1})[0];
 }
 
 at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,
                          bool compute_output, Fp8LinearScales* scales) {
   if (fp8) return fp8_linear(x, weight, bias, fp8_grad_format(), fp8_scaling(), compute_output, scales);
   return compute_output ? linear(x, weight, bias) : linear_deferred(x, weight, bias);
+}
+
+std::vector<at::Tensor> fp8_linear_parts(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                         int64_t parts, Fp8Format grad_format, Fp8Scaling scaling,
+                                         bool compute_output, Fp8LinearScales* scales) {
+  BMT_CHECK(weight.defined() && weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
+            "nn::fp8_linear_parts: input ", x.sizes(), " does not match weight ",
+            weight.defined() ? weight.sizes() : at::IntArrayRef());
+  BMT_CHECK(parts >= 1 && parts <= k::kFp8CastGradMaxParts && weight.size(0) % parts == 0, "nn::fp8_linear_parts: ",
+            weight.size(0), " output features do not split into ", parts, " pieces (1 to ",
+            k::kFp8CastGradMaxParts, ", dividing them)");
+  BMT_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), "nn::fp8_linear_parts: bias ",
+            bias.sizes(), " does not match weight ", weight.sizes());
+  if (parts == 1 || !fp8_linear_applies(x, weight) || (bias.defined() && bias.scalar_type() != x.scalar_type()))
+    return fp8_linear(x, weight, bias, grad_format, scaling, compute_output, scales).chunk(parts, -1);
+  const bool grad = at::GradMode::is_enabled();
+  return Fp8LinearFn::apply(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, std::nullopt,
+                            static_cast<int64_t>(grad_format), static_cast<int64_t>(scaling),
+                            grad && x.requires_grad(), grad && weight.requires_grad(), compute_output,
+                            fp8_delayed_inputs_enabled() ? scales : nullptr,
+                            delayed_grad_scale(scales, grad_format, scaling), parts);
+}
+
+std::vector<at::Tensor> linear_or_fp8_parts(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                            bool fp8, int64_t parts, Fp8LinearScales* scales) {
+  if (fp8) return fp8_linear_parts(x, weight, bias, parts, fp8_grad_format(), fp8_scaling(), true, scales);
+  return linear(x, weight, bias).chunk(parts, -1);
 }
 
 Fp8Format fp8_grad_format() { return g_grad_format.get(); }

@@ -23,6 +23,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "bmt/nn/fp8_format.h"
 
 namespace bmt::nn {
@@ -44,10 +46,23 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
 at::Tensor fp8_linear_residual(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                const at::Tensor& residual, Fp8Format grad_format = Fp8Format::kE5M2,
                                Fp8Scaling scaling = Fp8Scaling::kTensor, Fp8LinearScales* scales = nullptr);
+// fp8_linear(x, weight, bias, ...).chunk(parts, -1) as one autograd node: the output in `parts` equal pieces of its
+// last dimension (GPT's q, k and v from c_attn), whose gradients the backward reads in place. Under
+// fp8_delayed_grads_enabled() with the layer's scales (and CUDA, per tensor, E5M2) one pass casts the pieces'
+// gradients with dy's delayed scale (core's fp8_cast_grad_parts_delayed_cuda): autograd's concatenation of them, a
+// write and a read of dy, is gone; elsewhere they are concatenated first. 1 <= parts <= 3, dividing out_features.
+std::vector<at::Tensor> fp8_linear_parts(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                         int64_t parts, Fp8Format grad_format = Fp8Format::kE5M2,
+                                         Fp8Scaling scaling = Fp8Scaling::kTensor, bool compute_output = true,
+                                         Fp8LinearScales* scales = nullptr);
 // The GEMM of a layer with an FP8 switch (nn::Linear, the tensor-parallel layers): fp8_linear with the process's
 // settings (fp8_grad_format(), fp8_scaling()) when `fp8`, else nn::linear (nn::linear_deferred without the output).
 at::Tensor linear_or_fp8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, bool fp8,
                          bool compute_output = true, Fp8LinearScales* scales = nullptr);
+// linear_or_fp8's output in `parts` pieces of its last dimension: fp8_linear_parts when `fp8`, else the pieces of
+// nn::linear's output (views).
+std::vector<at::Tensor> linear_or_fp8_parts(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                            bool fp8, int64_t parts, Fp8LinearScales* scales = nullptr);
 // Whether fp8_linear takes the FP8 path for these operands (else it is nn::linear).
 bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
 
@@ -86,6 +101,10 @@ Fp8Tensor fp8_cast_delayed(const at::Tensor& matrix, Fp8DelayedScale& state, boo
 // their Fp8LinearScales and fp8_delayed_grads_enabled().
 Fp8Tensor fp8_cast_grad_delayed(const at::Tensor& dy, const at::Tensor& pre, Fp8DelayedScale& state, bool row_major,
                                 bool transposed, at::Tensor* db, at::ScalarType sum_dtype);
+// fp8_cast_grad_delayed of dy = cat(pieces, 1) (2-D pieces of one row count and equal widths), read in place on CUDA
+// where the kernel takes them (fp8_cast_grad_parts_cuda_applies), else concatenated first.
+Fp8Tensor fp8_cast_grad_delayed_parts(at::TensorList pieces, Fp8DelayedScale& state, bool row_major,
+                                      bool transposed, at::Tensor* db, at::ScalarType sum_dtype);
 
 // The default gradient format of nn::Linear's FP8 path: BMT_FP8_GRAD=e5m2 (default) | e4m3, or set here.
 Fp8Format fp8_grad_format();

@@ -18,6 +18,11 @@ at::Tensor LinearImpl::forward(const at::Tensor& x) {
   return linear_or_fp8(x, gathered(weight), b, fp8, true, &fp8_scales);
 }
 
+std::vector<at::Tensor> LinearImpl::forward_parts(const at::Tensor& x, int64_t parts) {
+  const at::Tensor b = bias.defined() ? gathered(bias) : at::Tensor();
+  return linear_or_fp8_parts(x, gathered(weight), b, fp8, parts, &fp8_scales);
+}
+
 LayerNormImpl::LayerNormImpl(int64_t d, double e, at::ScalarType dtype, bool with_bias) : dim(d), eps(e) {
   weight = register_parameter("weight", DistributedParameter({d}, dtype, init::ones()));
   if (with_bias) bias = register_parameter("bias", DistributedParameter({d}, dtype, init::zeros()));

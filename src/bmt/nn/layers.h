@@ -15,6 +15,8 @@ class LinearImpl : public torch::nn::Module {
   LinearImpl(int64_t in_features, int64_t out_features, bool bias = true, at::ScalarType dtype = at::kFloat,
              InitMethod weight_init = init::normal(0.0, 0.02));
   at::Tensor forward(const at::Tensor& x);
+  // forward(x).chunk(parts, -1) as one node: with fp8 the pieces' gradients are read in place (nn::fp8_linear_parts)
+  std::vector<at::Tensor> forward_parts(const at::Tensor& x, int64_t parts);
   int64_t in_features, out_features;
   at::Tensor weight, bias;  // weight (out, in)
   // FP8 GEMMs (nn::fp8_linear: gradients in fp8_grad_format(), scaling fp8_scaling()); off: nn::linear. Not

@@ -48,6 +48,11 @@ at::Tensor PlannedLinear::forward(const at::Tensor& x) {
   return dense_->forward(x);
 }
 
+std::vector<at::Tensor> PlannedLinear::forward_parts(const at::Tensor& x, int64_t parts) {
+  if (dense_) return dense_->forward_parts(x, parts);
+  return forward(x).chunk(parts, -1);
+}
+
 void PlannedLinear::set_fp8(bool on) {
   BMT_CHECK(dense_ || column_ || row_, "nn::PlannedLinear: empty handle; build it with TpScope::linear");
   if (dense_) dense_->fp8 = on;

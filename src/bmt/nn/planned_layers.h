@@ -30,6 +30,9 @@ class PlannedLinear {
  public:
   PlannedLinear() = default;
   at::Tensor forward(const at::Tensor& x);
+  // forward(x) in `parts` pieces of its last dimension (GPT's q, k, v): the dense layer's LinearImpl::forward_parts
+  // (one node whose FP8 backward reads the pieces' gradients in place), the parallel layers' output chunked.
+  std::vector<at::Tensor> forward_parts(const at::Tensor& x, int64_t parts);
   // forward() in two halves, so several layers reading one x communicate once (see shared_input):
   // column-parallel: ColumnParallelLinear::input_of / forward_input; otherwise x itself and forward().
   at::Tensor input_of(const at::Tensor& x) const;

@@ -18,9 +18,25 @@ constexpr int kPerRow = kVecTile / kGroup;           // groups of 8 in a tile ro
 constexpr int kRowLanes = kVecThreads / kPerRow;     // threads sharing a column group
 constexpr int kTileGroups = kVecTile * kVecTile / kGroup;
 
+// dy as up to three pieces side by side, each `cols` columns wide (one piece: the whole of dy)
+struct Pieces {
+  const void* p0 = nullptr;
+  const void* p1 = nullptr;
+  const void* p2 = nullptr;
+  int64_t cols = 0;
+};
+
+// The piece holding column c and c's element offset in it, for row r (a group of 8 never straddles two pieces:
+// their widths are multiples of 8).
+__device__ __forceinline__ const void* piece_at(const Pieces& d, int64_t r, int64_t c, int64_t& offset) {
+  const int64_t k = c / d.cols;
+  offset = r * d.cols + (c - k * d.cols);
+  return k == 0 ? d.p0 : (k == 1 ? d.p1 : d.p2);
+}
+
 template <DType D, Fp8Format F, bool kDGelu>
 __global__ void __launch_bounds__(kVecThreads)
-    cast_grad_kernel(const void* dy, const void* pre, int64_t rows, int64_t cols, CastScale cs, uint8_t* q,
+    cast_grad_kernel(Pieces dy, const void* pre, int64_t rows, int64_t cols, CastScale cs, uint8_t* q,
                      uint8_t* qt, float* partial) {
   __shared__ __align__(8) uint8_t tile[kVecTile][kVecTile + 4];
   __shared__ float lanes[kRowLanes][kVecTile + 1];
@@ -37,7 +53,9 @@ __global__ void __launch_bounds__(kVecThreads)
     const int64_t r = r0 + lr, c = c0 + lc;
     if (r < rows && c < cols) {
       float e[kGroup];
-      load8<D>(dy, r * cols + c, e);
+      int64_t at = 0;
+      const void* src = piece_at(dy, r, c, at);
+      load8<D>(src, at, e);
       if constexpr (kDGelu) {
         float p[kGroup];
         load8<D>(pre, r * cols + c, p);
@@ -87,7 +105,7 @@ __global__ void __launch_bounds__(kVecThreads)
 }
 
 template <DType D, bool kDGelu>
-void launch(const void* dy, const void* pre, int64_t rows, int64_t cols, const CastScale& cs, Fp8Format f,
+void launch(const Pieces& dy, const void* pre, int64_t rows, int64_t cols, const CastScale& cs, Fp8Format f,
             uint8_t* q, uint8_t* qt, float* partial, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>((cols + kVecTile - 1) / kVecTile),
                   static_cast<unsigned>((rows + kVecTile - 1) / kVecTile));
@@ -98,21 +116,15 @@ void launch(const void* dy, const void* pre, int64_t rows, int64_t cols, const C
 }
 
 template <DType D>
-void launch_any(const void* dy, const void* pre, int64_t rows, int64_t cols, const CastScale& cs, Fp8Format f,
+void launch_any(const Pieces& dy, const void* pre, int64_t rows, int64_t cols, const CastScale& cs, Fp8Format f,
                 uint8_t* q, uint8_t* qt, float* partial, cudaStream_t s) {
   if (pre) launch<D, true>(dy, pre, rows, cols, cs, f, q, qt, partial, s);
   else launch<D, false>(dy, pre, rows, cols, cs, f, q, qt, partial, s);
 }
 
-}  // namespace
-
-void fp8_cast_grad_delayed_cuda(const void* dy, const void* pre, DType dtype, int64_t rows, int64_t cols,
-                                const float* scale, float* amax_io, Fp8Format format, uint8_t* q, uint8_t* qt,
-                                void* col_sum, DType sum_dtype, float* workspace, void* stream) {
-  check_dtype(dtype, "fp8_cast_grad_delayed_cuda");
-  BMT_CHECK(fp8_cast_grad_cuda_applies(rows, cols, dy, pre, q, qt),
-            "fp8_cast_grad_delayed_cuda: needs rows and columns that are multiples of 8 (got [", rows, ", ", cols,
-            "]) and aligned buffers; check fp8_cast_grad_cuda_applies and run the separate ops otherwise");
+void launch_pieces(const Pieces& dy, const void* pre, DType dtype, int64_t rows, int64_t cols, const float* scale,
+                   float* amax_io, Fp8Format format, uint8_t* q, uint8_t* qt, void* col_sum, DType sum_dtype,
+                   float* workspace, void* stream) {
   BMT_CHECK(scale && amax_io && (!col_sum || workspace), "fp8_cast_grad_delayed_cuda: null scale, amax or workspace");
   BMT_CHECK(q || qt || col_sum, "fp8_cast_grad_delayed_cuda: nothing to write");
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -127,6 +139,34 @@ void fp8_cast_grad_delayed_cuda(const void* dy, const void* pre, DType dtype, in
   }
   check_launch("fp8_cast_grad_delayed_cuda");
   if (col_sum) column_partials_sum_cuda(partial, (rows + kVecTile - 1) / kVecTile, cols, col_sum, sum_dtype, s);
+}
+
+}  // namespace
+
+void fp8_cast_grad_parts_delayed_cuda(const void* const* dy_parts, int parts, DType dtype, int64_t rows, int64_t cols,
+                                      const float* scale, float* amax_io, Fp8Format format, uint8_t* q, uint8_t* qt,
+                                      void* col_sum, DType sum_dtype, float* workspace, void* stream) {
+  check_dtype(dtype, "fp8_cast_grad_parts_delayed_cuda");
+  BMT_CHECK(dy_parts && fp8_cast_grad_parts_cuda_applies(rows, cols, dy_parts, parts, q, qt),
+            "fp8_cast_grad_parts_delayed_cuda: needs rows and pieces' columns that are multiples of 8 (got [", rows,
+            ", ", cols, "] in ", parts, " pieces) and aligned buffers; check fp8_cast_grad_parts_cuda_applies and run "
+            "the separate ops otherwise");
+  Pieces d;
+  d.p0 = dy_parts[0], d.p1 = parts > 1 ? dy_parts[1] : nullptr, d.p2 = parts > 2 ? dy_parts[2] : nullptr;
+  d.cols = cols / parts;
+  launch_pieces(d, nullptr, dtype, rows, cols, scale, amax_io, format, q, qt, col_sum, sum_dtype, workspace, stream);
+}
+
+void fp8_cast_grad_delayed_cuda(const void* dy, const void* pre, DType dtype, int64_t rows, int64_t cols,
+                                const float* scale, float* amax_io, Fp8Format format, uint8_t* q, uint8_t* qt,
+                                void* col_sum, DType sum_dtype, float* workspace, void* stream) {
+  check_dtype(dtype, "fp8_cast_grad_delayed_cuda");
+  BMT_CHECK(fp8_cast_grad_cuda_applies(rows, cols, dy, pre, q, qt),
+            "fp8_cast_grad_delayed_cuda: needs rows and columns that are multiples of 8 (got [", rows, ", ", cols,
+            "]) and aligned buffers; check fp8_cast_grad_cuda_applies and run the separate ops otherwise");
+  Pieces d;
+  d.p0 = dy, d.cols = cols;
+  launch_pieces(d, pre, dtype, rows, cols, scale, amax_io, format, q, qt, col_sum, sum_dtype, workspace, stream);
 }
 
 }  // namespace bmt::core::kernels

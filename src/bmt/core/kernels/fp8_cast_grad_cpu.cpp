@@ -1,5 +1,6 @@
 // CPU twin of the fused gradient cast (fp8_cast_grad_internal.h): the separate twins composed.
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "bmt/core/error.h"
@@ -24,6 +25,34 @@ void fp8_cast_grad_delayed_cpu(const void* dy, const void* pre, DType dtype, int
     column_sum_cpu(dy, dtype, rows, cols, col_sum, sum_dtype);
   }
   if (q || qt) fp8_cast_delayed_cpu(g, dtype, rows, cols, scale, amax_io, format, q, qt);
+}
+
+void fp8_cast_grad_parts_delayed_cpu(const void* const* dy_parts, int parts, DType dtype, int64_t rows, int64_t cols,
+                                     const float* scale, float* amax_io, Fp8Format format, uint8_t* q, uint8_t* qt,
+                                     void* col_sum, DType sum_dtype) {
+  BMT_CHECK(parts >= 1 && parts <= kFp8CastGradMaxParts && cols % parts == 0, "fp8_cast_grad_parts_delayed_cpu: ",
+            cols, " columns in ", parts, " parts (1 to ", kFp8CastGradMaxParts, ", dividing the columns)");
+  if (parts == 1) {
+    fp8_cast_grad_delayed_cpu(dy_parts[0], nullptr, dtype, rows, cols, scale, amax_io, format, q, qt, col_sum,
+                              sum_dtype);
+    return;
+  }
+  // (the twin: the pieces concatenated, then the one-piece twin)
+  const size_t elem = dtype_nbytes(dtype), piece = static_cast<size_t>(cols / parts) * elem;
+  std::vector<uint8_t> dy(static_cast<size_t>(rows * cols) * elem);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int p = 0; p < parts; ++p)
+      std::memcpy(dy.data() + static_cast<size_t>(r) * parts * piece + p * piece,
+                  static_cast<const uint8_t*>(dy_parts[p]) + static_cast<size_t>(r) * piece, piece);
+  fp8_cast_grad_delayed_cpu(dy.data(), nullptr, dtype, rows, cols, scale, amax_io, format, q, qt, col_sum, sum_dtype);
+}
+
+bool fp8_cast_grad_parts_cuda_applies(int64_t rows, int64_t cols, const void* const* dy_parts, int parts,
+                                      const uint8_t* q, const uint8_t* qt) {
+  if (parts < 1 || parts > kFp8CastGradMaxParts || cols % parts != 0 || (cols / parts) % 8 != 0) return false;
+  for (int p = 0; p < parts; ++p)
+    if (!fp8_cast_grad_cuda_applies(rows, cols, dy_parts[p], nullptr, q, qt)) return false;
+  return true;
 }
 
 bool fp8_cast_grad_cuda_applies(int64_t rows, int64_t cols, const void* dy, const void* pre, const uint8_t* q,

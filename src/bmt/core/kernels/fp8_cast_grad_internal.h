@@ -27,6 +27,19 @@ void fp8_cast_grad_delayed_cpu(const void* dy, const void* pre, DType dtype, int
 // runs the separate ops.
 bool fp8_cast_grad_cuda_applies(int64_t rows, int64_t cols, const void* dy, const void* pre, const uint8_t* q,
                                 const uint8_t* qt);
+// dy given as `parts` pieces side by side, dy = [dy_parts[0] | ... | dy_parts[parts - 1]], each rows x (cols / parts)
+// row-major: the gradients autograd hands back for a linear's output split in parts (GPT's q, k and v from c_attn),
+// read where they are instead of concatenated first (a write and a read of dy fewer). 1 <= parts <= 3; pre only
+// with parts = 1. The single-piece functions above are parts = 1.
+constexpr int kFp8CastGradMaxParts = 3;
+void fp8_cast_grad_parts_delayed_cpu(const void* const* dy_parts, int parts, DType dtype, int64_t rows, int64_t cols,
+                                     const float* scale, float* amax_io, Fp8Format format, uint8_t* q, uint8_t* qt,
+                                     void* col_sum, DType sum_dtype);
+bool fp8_cast_grad_parts_cuda_applies(int64_t rows, int64_t cols, const void* const* dy_parts, int parts,
+                                      const uint8_t* q, const uint8_t* qt);
+void fp8_cast_grad_parts_delayed_cuda(const void* const* dy_parts, int parts, DType dtype, int64_t rows, int64_t cols,
+                                      const float* scale, float* amax_io, Fp8Format format, uint8_t* q, uint8_t* qt,
+                                      void* col_sum, DType sum_dtype, float* workspace, void* stream);
 // floats of `workspace` the CUDA variant needs for the column sums (one partial per 64-row tile and column).
 int64_t fp8_cast_grad_workspace_numel(int64_t rows, int64_t cols);
 // Device memory, asynchronous on `stream`; the column sums are deterministic (fixed tiles, fixed order, no atomics).
