@@ -1,5 +1,5 @@
 // The fp64 reference of an FP8 linear and the error bound FP8 rounding gives (tests/nn/test_fp8_linear.cpp on
-// CPU, tests/cuda/test_fp8_cuda.cpp on a GPU).
+// CPU, tests/cuda/test_fp8_cuda.cpp on a GPU), and one FP8 linear's run for the delayed-scale tests.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -92,6 +92,20 @@ inline void check_fp8_linear(at::Device device, at::ScalarType dt, Fp8Format gra
   const at::Tensor db_err = (b.grad().cpu().to(at::kDouble) - db_exact).abs();
   EXPECT_TRUE((db_err <= db_exact.abs() * u_out + gd.abs().sum(0) * (rows * std::ldexp(1.0, -23))).all().item<bool>())
       << "bias gradient: max error " << db_err.max().item<double>();
+}
+
+// One fp8_linear forward and backward (per-tensor scales, E5M2 gradients, the layer's delayed scales when given):
+// its output and gradients (tests/nn/test_fp8_delayed*.cpp).
+struct LinearRun {
+  at::Tensor y, dx, dw, db;
+};
+
+inline LinearRun run_linear(const at::Tensor& x0, const at::Tensor& w0, const at::Tensor& b0, const at::Tensor& g,
+                            bmt::nn::Fp8LinearScales* scales) {
+  at::Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+  const at::Tensor y = bmt::nn::fp8_linear(x, w, b, Fp8Format::kE5M2, bmt::nn::Fp8Scaling::kTensor, true, scales);
+  y.backward(g);
+  return {y.detach(), x.grad(), w.grad(), b.grad()};
 }
 
 }  // namespace fp8_test

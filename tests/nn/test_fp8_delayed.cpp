@@ -19,6 +19,7 @@
 #include "bmt/nn/fp8_delayed_scale_internal.h"
 #include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fp8_mlp.h"
+#include "fp8_reference.h"
 
 namespace k = bmt::core::kernels;
 using bmt::nn::Fp8DelayedScale;
@@ -294,17 +295,8 @@ TEST(Fp8CastDelayed, FirstCallIsTheDynamicCastThenTheRecordedScale) {
 
 namespace {
 
-struct LinearRun {
-  at::Tensor y, dx, dw, db;
-};
-
-LinearRun run_linear(const at::Tensor& x0, const at::Tensor& w0, const at::Tensor& b0, const at::Tensor& g,
-                     bmt::nn::Fp8LinearScales* scales) {
-  at::Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
-  const at::Tensor y = bmt::nn::fp8_linear(x, w, b, Fp8Format::kE5M2, bmt::nn::Fp8Scaling::kTensor, true, scales);
-  y.backward(g);
-  return {y.detach(), x.grad(), w.grad(), b.grad()};
-}
+using fp8_test::LinearRun;
+using fp8_test::run_linear;
 
 bool same(const LinearRun& a, const LinearRun& b) {
   return at::equal(a.y, b.y) && at::equal(a.dx, b.dx) && at::equal(a.dw, b.dw) && at::equal(a.db, b.db);

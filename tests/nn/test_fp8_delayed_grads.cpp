@@ -18,6 +18,7 @@
 #include "bmt/nn/fp8_linear.h"
 #include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fp8_mlp.h"
+#include "fp8_reference.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace k = bmt::core::kernels;
@@ -38,17 +39,8 @@ struct DelayedGradsOn {
   ~DelayedGradsOn() { bmt::nn::set_fp8_delayed_grads_enabled(false); }
 };
 
-struct LinearRun {
-  at::Tensor y, dx, dw, db;
-};
-
-LinearRun run_linear(const at::Tensor& x0, const at::Tensor& w0, const at::Tensor& b0, const at::Tensor& g,
-                     bmt::nn::Fp8LinearScales* scales) {
-  at::Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
-  const at::Tensor y = bmt::nn::fp8_linear(x, w, b, Fp8Format::kE5M2, bmt::nn::Fp8Scaling::kTensor, true, scales);
-  y.backward(g);
-  return {y.detach(), x.grad(), w.grad(), b.grad()};
-}
+using fp8_test::LinearRun;
+using fp8_test::run_linear;
 
 }  // namespace
 
