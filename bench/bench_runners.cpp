@@ -33,6 +33,7 @@
 #include "bmt/engine/block.h"
 #include "bmt/core/error.h"
 #include "bmt/engine/cuda_graph_step.h"
+#include "bmt/nn/fp8_delayed_scale.h"
 #include "bmt/runtime/distributed.h"
 #include "bmt/runtime/stream_sync.h"
 #include "bmt/runtime/init.h"
@@ -67,6 +68,7 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   examples::ParallelOptions parallel(a.zero, a.checkpointing);
   parallel.fp8 = a.fp8;
   parallel.fp8_head = a.fp8_head;
+  if (!a.fp8_recipe.empty()) bmt::nn::set_fp8_recipe(bmt::nn::fp8_recipe_from_name(a.fp8_recipe, "--fp8-recipe"));
   parallel.pipe_schedule = bmt::parse_pipe_schedule(a.pp_schedule);
   std::shared_ptr<examples::LanguageModel> model = examples::make_model(shape.model, parallel, dtype);
   at::manual_seed(a.seed);

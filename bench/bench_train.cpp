@@ -167,6 +167,13 @@ int run(const Args& a) {
       fp8_rows || bmt::nn::fp8_grad_format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2";
   if (a.fp8) config += fp8_rows ? std::string(" fp8-rowwise") : " fp8-" + fp8_grad;
   if (a.fp8_head) config += " fp8-head";
+  // the delayed scalings in effect (nn::fp8_recipe, or each switch's own variable)
+  std::string fp8_delayed;
+  for (const auto& [on, name] : {std::pair<bool, const char*>{bmt::nn::fp8_delayed_gelu_enabled(), "gelu"},
+                                 {bmt::nn::fp8_delayed_inputs_enabled(), "inputs"},
+                                 {bmt::nn::fp8_delayed_grads_enabled(), "grads"}})
+    if (on) fp8_delayed += (fp8_delayed.empty() ? "" : ",") + std::string(name);
+  if (a.fp8 && !fp8_delayed.empty()) config += " fp8-delayed-" + fp8_delayed;
   if (a.step_in_backward) config += " step-in-backward";
   if (a.cuda_graphs) config += " cuda-graphs";
   const bool our_reductions = a.framework == "bmt" && bmt::nn::fused_reductions_enabled();  // BMT_FUSED_REDUCTIONS
@@ -294,6 +301,7 @@ int run(const Args& a) {
       << ",\"fp8_grad\":" << (a.fp8 ? json_str(fp8_grad) : "null")
       << ",\"fp8_scaling\":" << (a.fp8 ? json_str(fp8_rows ? "row" : "tensor") : "null")
       << ",\"fp8_head\":" << (a.fp8_head ? "true" : "false")
+      << ",\"fp8_delayed\":" << (a.fp8 ? json_str(fp8_delayed) : "null")
       << ",\"offload\":" << (a.offload ? "true" : "false") << ",\"zero\":" << (a.framework == "bmt" ? std::to_string(a.zero) : "null")
       << ",\"device\":" << json_str(r.device.str()) << ",\"params\":" << r.num_params
       << ",\"matmul_params\":" << r.num_matmul_params << ",\"flops_per_token\":" << json_num(flops_per_token, 8)

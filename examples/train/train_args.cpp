@@ -5,6 +5,7 @@
 #include <map>
 
 #include "bmt/core/error.h"
+#include "bmt/nn/fp8_delayed_scale.h"
 
 namespace examples {
 
@@ -35,6 +36,8 @@ std::string train_usage() {
                       end (e.g. 0,-1: the first and the last); default none
   --fp8-linears G     which linears of an FP8 layer run in FP8: all (default), mlp (attention's q/k/v and output
                       stay --dtype) or attn (the MLP stays --dtype)
+  --fp8-recipe R      with --fp8: current (each cast scaled by its tensor's own amax) | delayed (scales from the
+                      last 16 amaxes, no amax passes: TransformerEngine's recipe); default BMT_FP8_RECIPE, else current
   --fp8-head          with --fp8: the LM head's GEMMs in FP8 too (gpt: wte's tied projection, llama: output);
                       default off (the head stays --dtype)
   --cuda-graphs       capture the forward + backward (ZeRO gathers and reductions included) as a CUDA graph
@@ -118,7 +121,7 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       {"--inspect-every", i64(a.inspect_every)},
       {"--samples", i64(a.samples)}, {"--sample-tokens", i64(a.sample_tokens)}, {"--top-k", i64(a.top_k)},
       {"--export-hf", str(a.export_hf)}, {"--init-from", str(a.init_from)}, {"--dtype", str(a.dtype)},
-      {"--fp8-linears", str(a.fp8_linears)},
+      {"--fp8-linears", str(a.fp8_linears)}, {"--fp8-recipe", str(a.fp8_recipe)},
       {"--seed", [&](const std::string& n, const std::string& v) { a.seed = static_cast<uint64_t>(to_i64(n, v)); }},
       {"--fp8-bf16-layers",
        [&](const std::string& n, const std::string& v) {
@@ -214,6 +217,8 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
             "--fp8-linears must be all, mlp or attn, got '", a.fp8_linears, "'");
   BMT_CHECK(a.fp8 || a.fp8_linears == "all", "--fp8-linears chooses the linears in FP8; it needs --fp8");
   BMT_CHECK(a.fp8 || !a.fp8_head, "--fp8-head puts the LM head in FP8 beside the layers; it needs --fp8");
+  BMT_CHECK(a.fp8 || a.fp8_recipe.empty(), "--fp8-recipe chooses how FP8 scales are found; it needs --fp8");
+  if (!a.fp8_recipe.empty()) bmt::nn::fp8_recipe_from_name(a.fp8_recipe, "--fp8-recipe");
   BMT_CHECK(a.model == "gpt" || a.model == "llama", "--model must be gpt or llama, got '", a.model, "'");
   BMT_CHECK(a.progress == "auto" || a.progress == "bar" || a.progress == "lines" || a.progress == "off",
             "--progress must be auto, bar, lines or off, got '", a.progress, "'");

@@ -9,6 +9,7 @@
 
 #include "bmt/core/error.h"
 #include "bmt/engine/cuda_graph_step.h"
+#include "bmt/nn/fp8_delayed_scale.h"
 #include "bmt/runtime/distributed.h"
 #include "bmt/runtime/memory_stats.h"
 #include "bmt/optim/adam.h"
@@ -89,6 +90,7 @@ void build(Run& run) {
   parallel.fp8_bf16_layers = args.fp8_bf16_layers;
   parallel.fp8_linears = args.fp8_linears;
   parallel.fp8_head = args.fp8_head;
+  if (!args.fp8_recipe.empty()) bmt::nn::set_fp8_recipe(bmt::nn::fp8_recipe_from_name(args.fp8_recipe, "--fp8-recipe"));
   parallel.pipe_schedule = bmt::parse_pipe_schedule(args.pp_schedule);
   run.model = make_model(s.model, parallel, s.dtype);
   at::manual_seed(args.seed);

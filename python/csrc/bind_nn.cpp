@@ -151,6 +151,11 @@ void bind_nn(py::module_& m) {
       // (a module holding one pickles: the windows are not state, an unpickled one starts afresh)
       .def(py::pickle([](const LinearScales&) { return py::tuple(); },
                       [](const py::tuple&) { return std::make_shared<LinearScales>(); }));
+  nn.def("fp8_recipe", [] { return std::string(bmt::nn::fp8_recipe_name(bmt::nn::fp8_recipe())); });
+  nn.def(
+      "set_fp8_recipe",
+      [](const std::string& name) { bmt::nn::set_fp8_recipe(bmt::nn::fp8_recipe_from_name(name, "set_fp8_recipe")); },
+      py::arg("recipe"));
   nn.def("fp8_delayed_gelu", &bmt::nn::fp8_delayed_gelu_enabled);
   nn.def("set_fp8_delayed_gelu", &bmt::nn::set_fp8_delayed_gelu_enabled, py::arg("enabled"));
   nn.def("fp8_delayed_inputs", &bmt::nn::fp8_delayed_inputs_enabled);

@@ -9,6 +9,7 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 
@@ -19,6 +20,7 @@
 #include "bmt/nn/fp8_linear_internal.h"
 #include "bmt/nn/fp8_mlp.h"
 #include "fp8_reference.h"
+#include "bmt/runtime/env_switch_internal.h"
 #include "bmt/runtime/tensor_adapter_internal.h"
 
 namespace k = bmt::core::kernels;
@@ -234,4 +236,50 @@ TEST(Fp8DelayedGrads, LinearInPiecesIsTheLinearChunked) {
   }
   EXPECT_EQ(pieces.grad.history()[0].item<float>(), g.abs().max().item<float>());
   EXPECT_THROW(bmt::nn::fp8_linear_parts(x, w, b, 5), std::exception) << "96 features do not split into 5";
+}
+
+TEST(Fp8Recipe, DelayedTurnsOnTheThreeDelayedScalingsAndCurrentTurnsThemOff) {
+  namespace nn = bmt::nn;
+  const nn::Fp8Recipe prev = nn::fp8_recipe();
+  const bool gelu = nn::fp8_delayed_gelu_enabled(), inputs = nn::fp8_delayed_inputs_enabled(),
+             grads = nn::fp8_delayed_grads_enabled();
+  nn::set_fp8_recipe(nn::Fp8Recipe::kDelayed);
+  EXPECT_EQ(nn::fp8_recipe(), nn::Fp8Recipe::kDelayed);
+  EXPECT_TRUE(nn::fp8_delayed_gelu_enabled() && nn::fp8_delayed_inputs_enabled() && nn::fp8_delayed_grads_enabled());
+  nn::set_fp8_delayed_grads_enabled(false);  // (a switch set after the recipe wins)
+  EXPECT_FALSE(nn::fp8_delayed_grads_enabled());
+  EXPECT_TRUE(nn::fp8_delayed_inputs_enabled());
+  nn::set_fp8_recipe(nn::Fp8Recipe::kCurrent);
+  EXPECT_FALSE(nn::fp8_delayed_gelu_enabled() || nn::fp8_delayed_inputs_enabled() || nn::fp8_delayed_grads_enabled());
+  for (nn::Fp8Recipe r : {nn::Fp8Recipe::kCurrent, nn::Fp8Recipe::kDelayed})
+    EXPECT_EQ(nn::fp8_recipe_from_name(nn::fp8_recipe_name(r), "test"), r);
+  try {
+    nn::fp8_recipe_from_name("rowwise", "--fp8-recipe");
+    ADD_FAILURE() << "an unknown recipe name was accepted";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("--fp8-recipe"), std::string::npos) << what;
+    EXPECT_NE(what.find("'rowwise'"), std::string::npos) << what;
+    EXPECT_NE(what.find("'delayed'"), std::string::npos) << what;
+  }
+  nn::set_fp8_recipe(prev);
+  nn::set_fp8_delayed_gelu_enabled(gelu), nn::set_fp8_delayed_inputs_enabled(inputs);
+  nn::set_fp8_delayed_grads_enabled(grads);
+}
+
+TEST(Fp8Recipe, AnUnsetSwitchFollowsItsDefaultAndASetVariableWins) {
+  // (the recipe's switches: enabled(default) with the recipe's choice as the default, read on every call)
+  ::unsetenv("BMT_TEST_RECIPE_SWITCH_UNSET");
+  bmt::EnvSwitch unset("BMT_TEST_RECIPE_SWITCH_UNSET", false);
+  EXPECT_TRUE(unset.enabled(true));
+  EXPECT_FALSE(unset.enabled(false));
+  EXPECT_FALSE(unset.enabled());
+  ::setenv("BMT_TEST_RECIPE_SWITCH_OFF", "0", 1);
+  bmt::EnvSwitch off("BMT_TEST_RECIPE_SWITCH_OFF", true);
+  EXPECT_FALSE(off.enabled(true));
+  ::setenv("BMT_TEST_RECIPE_SWITCH_ON", "1", 1);
+  bmt::EnvSwitch on("BMT_TEST_RECIPE_SWITCH_ON", false);
+  EXPECT_TRUE(on.enabled(false));
+  unset.set(true);
+  EXPECT_TRUE(unset.enabled(false));
 }

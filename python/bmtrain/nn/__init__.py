@@ -69,8 +69,22 @@ Fp8DelayedScale = _nn.Fp8DelayedScale
 Fp8LinearScales = _nn.Fp8LinearScales
 
 
+def fp8_recipe():
+    """How the FP8 layers find their per-tensor scales: "current" (each cast from its tensor's own amax; the
+    default) or "delayed" (from the tensor's last 16 amaxes, taken by the casts themselves: no amax passes;
+    TransformerEngine's recipe). BMT_FP8_RECIPE sets it for a process. Not in BMTrain."""
+    return _nn.fp8_recipe()
+
+
+def set_fp8_recipe(recipe):
+    """Sets the FP8 recipe ("current" or "delayed") for this process: "delayed" turns on set_fp8_delayed_gelu,
+    set_fp8_delayed_inputs and set_fp8_delayed_grads together, "current" turns them off. Not in BMTrain."""
+    _nn.set_fp8_recipe(str(recipe))
+
+
 def fp8_delayed_gelu():
-    """Whether fp8_gelu_mlp uses a given gelu_scale (BMT_FP8_DELAYED_GELU, default off). Not in BMTrain."""
+    """Whether fp8_gelu_mlp uses a given gelu_scale (BMT_FP8_DELAYED_GELU, default: the recipe's). Not in
+    BMTrain."""
     return _nn.fp8_delayed_gelu()
 
 
@@ -80,7 +94,8 @@ def set_fp8_delayed_gelu(enabled):
 
 
 def fp8_delayed_inputs():
-    """Whether the FP8 linears use given delayed scales (BMT_FP8_DELAYED_INPUTS, default off). Not in BMTrain."""
+    """Whether the FP8 linears use given delayed scales (BMT_FP8_DELAYED_INPUTS, default: the recipe's). Not in
+    BMTrain."""
     return _nn.fp8_delayed_inputs()
 
 
@@ -91,7 +106,8 @@ def set_fp8_delayed_inputs(enabled):
 
 
 def fp8_delayed_grads():
-    """Whether the FP8 linears' backward uses given delayed gradient scales (BMT_FP8_DELAYED_GRADS, default off).
+    """Whether the FP8 linears' backward uses given delayed gradient scales (BMT_FP8_DELAYED_GRADS, default: the
+    recipe's).
     Not in BMTrain."""
     return _nn.fp8_delayed_grads()
 

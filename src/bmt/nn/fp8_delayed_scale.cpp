@@ -23,12 +23,35 @@ struct ScaleHandle : torch::CustomClassHolder {
   Fp8DelayedScale scale;
 };
 
+EnvChoice<Fp8Recipe, 2> g_recipe("BMT_FP8_RECIPE",
+                                 {{{"current", Fp8Recipe::kCurrent}, {"delayed", Fp8Recipe::kDelayed}}});
+// (each unset switch follows the recipe)
 EnvSwitch g_delayed_gelu("BMT_FP8_DELAYED_GELU", false);
+EnvSwitch g_delayed_inputs("BMT_FP8_DELAYED_INPUTS", false);
+EnvSwitch g_delayed_grads("BMT_FP8_DELAYED_GRADS", false);
+
+bool recipe_delayed() { return g_recipe.get() == Fp8Recipe::kDelayed; }
 
 }  // namespace
 
-bool fp8_delayed_gelu_enabled() { return g_delayed_gelu.enabled(); }
+Fp8Recipe fp8_recipe() { return g_recipe.get(); }
+void set_fp8_recipe(Fp8Recipe recipe) {
+  g_recipe.set(recipe);
+  const bool on = recipe == Fp8Recipe::kDelayed;
+  g_delayed_gelu.set(on), g_delayed_inputs.set(on), g_delayed_grads.set(on);
+}
+Fp8Recipe fp8_recipe_from_name(const std::string& name, const char* who) {
+  if (name == "current") return Fp8Recipe::kCurrent;
+  if (name == "delayed") return Fp8Recipe::kDelayed;
+  BMT_ERROR(who, ": FP8 recipe '", name, "' is not 'current' or 'delayed'");
+}
+const char* fp8_recipe_name(Fp8Recipe recipe) { return recipe == Fp8Recipe::kDelayed ? "delayed" : "current"; }
+bool fp8_delayed_gelu_enabled() { return g_delayed_gelu.enabled(recipe_delayed()); }
 void set_fp8_delayed_gelu_enabled(bool enabled) { g_delayed_gelu.set(enabled); }
+bool fp8_delayed_inputs_enabled() { return g_delayed_inputs.enabled(recipe_delayed()); }
+void set_fp8_delayed_inputs_enabled(bool enabled) { g_delayed_inputs.set(enabled); }
+bool fp8_delayed_grads_enabled() { return g_delayed_grads.enabled(recipe_delayed()); }
+void set_fp8_delayed_grads_enabled(bool enabled) { g_delayed_grads.set(enabled); }
 
 Fp8DelayedScale::Fp8DelayedScale(int64_t history_len, Fp8Format format)
     : s_(std::make_shared<State>(history_len, format)) {

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <string>
 
 #include "bmt/nn/fp8_format.h"
 
@@ -70,10 +71,33 @@ struct Fp8LinearScales {
   Fp8DelayedScale grad{16, Fp8Format::kE5M2};
 };
 
+// The recipe of the FP8 layers' per-tensor scales: BMT_FP8_RECIPE=current (the default) | delayed, or set here.
+// delayed turns on the three switches below (each cast's scale from its tensor's last 16 amaxes, found by the cast
+// itself or by the tensor's producer: no amax pass; a value above that window's range saturates); current leaves
+// them off (each cast scaled by its tensor's own amax). A switch's own variable, where set, wins over
+// BMT_FP8_RECIPE; set_fp8_recipe sets all three. The FP8 LM head (--fp8-head) is a choice of layers, not of recipe.
+Fp8Recipe fp8_recipe();
+void set_fp8_recipe(Fp8Recipe recipe);
+// "current" / "delayed" (the names BMT_FP8_RECIPE, train_gpt's --fp8-recipe and Python take); another name is an
+// error naming `who` and the choices.
+Fp8Recipe fp8_recipe_from_name(const std::string& name, const char* who);
+const char* fp8_recipe_name(Fp8Recipe recipe);
+
 // The FP8 MLP's GELU output by c_fc's GEMM in E4M3 with a delayed scale (when the MLP is given an Fp8DelayedScale):
-// BMT_FP8_DELAYED_GELU=1 | 0 (the default), or set here. Off until measured on a GPU: it changes the numerics (a
-// value above the scale's range saturates) for one cast pass fewer over the MLP's widest activation.
+// BMT_FP8_DELAYED_GELU=1 | 0 (default: the recipe's), or set here. It changes the numerics (a value above the
+// scale's range saturates) for one cast pass fewer over the MLP's widest activation.
 bool fp8_delayed_gelu_enabled();
 void set_fp8_delayed_gelu_enabled(bool enabled);
+// The FP8 linears' forward operands (input and weight) by fp8_cast_delayed where a layer passes its Fp8LinearScales:
+// BMT_FP8_DELAYED_INPUTS=1 | 0 (default: the recipe's), or set here. As the delayed GELU output, a value above
+// its scale's range saturates.
+bool fp8_delayed_inputs_enabled();
+void set_fp8_delayed_inputs_enabled(bool enabled);
+// The FP8 linears' output gradients by fp8_cast_grad_delayed where a layer passes its Fp8LinearScales (E5M2 gradients;
+// with BMT_FP8_GRAD=e4m3 they stay dynamic): BMT_FP8_DELAYED_GRADS=1 | 0 (default: the
+// recipe's), or set here. A gradient above its scale's range saturates (E5M2's range is 2^32 wide, the window 16
+// steps).
+bool fp8_delayed_grads_enabled();
+void set_fp8_delayed_grads_enabled(bool enabled);
 
 }  // namespace bmt::nn

@@ -25,10 +25,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 EnvChoice<Fp8Format, 2> g_grad_format("BMT_FP8_GRAD", {{{"e5m2", Fp8Format::kE5M2}, {"e4m3", Fp8Format::kE4M3}}});
-// BMT_FP8_DELAYED_INPUTS: the linears' inputs and weights cast with their delayed scales (off until measured)
-EnvSwitch g_delayed_inputs("BMT_FP8_DELAYED_INPUTS", false);
-// BMT_FP8_DELAYED_GRADS: the linears' output gradients cast with their delayed scales (off until measured)
-EnvSwitch g_delayed_grads("BMT_FP8_DELAYED_GRADS", false);
 EnvChoice<Fp8Scaling, 2> g_scaling("BMT_FP8_SCALING", {{{"tensor", Fp8Scaling::kTensor}, {"row", Fp8Scaling::kRow}}});
 
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
@@ -194,7 +190,7 @@ bool e4m3_scales(const Fp8LinearScales* scales) {
 }
 
 Fp8DelayedScale* delayed_grad_scale(Fp8LinearScales* scales, Fp8Format grad_format, Fp8Scaling scaling) {
-  const bool use = scales && g_delayed_grads.enabled() && scaling == Fp8Scaling::kTensor &&
+  const bool use = scales && fp8_delayed_grads_enabled() && scaling == Fp8Scaling::kTensor &&
                    scales->grad.format() == grad_format;
   return use ? &scales->grad : nullptr;
 }
@@ -284,14 +280,6 @@ std::vector<at::Tensor> linear_or_fp8_parts(const at::Tensor& x, const at::Tenso
 Fp8Format fp8_grad_format() { return g_grad_format.get(); }
 
 void set_fp8_grad_format(Fp8Format format) { g_grad_format.set(format); }
-
-bool fp8_delayed_inputs_enabled() { return g_delayed_inputs.enabled(); }
-
-void set_fp8_delayed_inputs_enabled(bool enabled) { g_delayed_inputs.set(enabled); }
-
-bool fp8_delayed_grads_enabled() { return g_delayed_grads.enabled(); }
-
-void set_fp8_delayed_grads_enabled(bool enabled) { g_delayed_grads.set(enabled); }
 
 Fp8Scaling fp8_scaling() { return g_scaling.get(); }
 

@@ -26,12 +26,10 @@
 #include <vector>
 
 #include "bmt/nn/fp8_cast.h"
+#include "bmt/nn/fp8_delayed_scale.h"
 #include "bmt/nn/fp8_format.h"
 
 namespace bmt::nn {
-
-class Fp8DelayedScale;
-struct Fp8LinearScales;
 
 // y = x weight^T + bias (bias may be undefined) with FP8 GEMMs; grad_format: the gradient dy's format.
 // compute_output = false (a checkpointed Block's recompute whose output only roots the backward,
@@ -70,16 +68,6 @@ bool fp8_linear_applies(const at::Tensor& x, const at::Tensor& weight);
 // The default gradient format of nn::Linear's FP8 path: BMT_FP8_GRAD=e5m2 (default) | e4m3, or set here.
 Fp8Format fp8_grad_format();
 void set_fp8_grad_format(Fp8Format format);
-// The FP8 linears' forward operands (input and weight) by fp8_cast_delayed where a layer passes its Fp8LinearScales:
-// BMT_FP8_DELAYED_INPUTS=1 | 0 (the default), or set here. Off until measured: as the delayed GELU output, a value
-// above its scale's range saturates.
-bool fp8_delayed_inputs_enabled();
-void set_fp8_delayed_inputs_enabled(bool enabled);
-// The FP8 linears' output gradients by fp8_cast_grad_delayed where a layer passes its Fp8LinearScales (E5M2 gradients;
-// with BMT_FP8_GRAD=e4m3 they stay dynamic): BMT_FP8_DELAYED_GRADS=1 | 0 (the default), or set here. Off until
-// measured: a gradient above its scale's range saturates (E5M2's range is 2^32 wide, the scale's window 16 steps).
-bool fp8_delayed_grads_enabled();
-void set_fp8_delayed_grads_enabled(bool enabled);
 // The default scaling of nn::Linear's FP8 path: BMT_FP8_SCALING=tensor (default) | row, or set here.
 Fp8Scaling fp8_scaling();
 void set_fp8_scaling(Fp8Scaling scaling);

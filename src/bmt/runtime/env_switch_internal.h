@@ -20,21 +20,24 @@ class EnvSwitch {
   // default_on: the setting when the variable is unset or empty (otherwise "0" is off, anything else on).
   explicit constexpr EnvSwitch(const char* variable, bool default_on = true)
       : variable_(variable), default_on_(default_on) {}
-  bool enabled() {
+  bool enabled() { return enabled(default_on_); }
+  // The same, with the default given now (a switch whose default follows another setting: nn::fp8_recipe's).
+  bool enabled(bool default_on) {
     int v = state_.load(std::memory_order_relaxed);
     if (v < 0) {
       const char* e = std::getenv(variable_);
-      v = (!e || !*e) ? (default_on_ ? 1 : 0) : (std::strcmp(e, "0") == 0 ? 0 : 1);
+      v = (!e || !*e) ? kUnset : (std::strcmp(e, "0") == 0 ? 0 : 1);
       state_.store(v, std::memory_order_relaxed);
     }
-    return v == 1;
+    return v == kUnset ? default_on : v == 1;
   }
   void set(bool on) { state_.store(on ? 1 : 0, std::memory_order_relaxed); }
 
  private:
+  static constexpr int kUnset = 2;  // the variable unset or empty: the default
   const char* variable_;
   bool default_on_;
-  std::atomic<int> state_{-1};  // -1: not yet read from the environment
+  std::atomic<int> state_{-1};  // -1: not yet read from the environment; 0 off, 1 on, kUnset
 };
 
 // A choice among N named values of the enum E: unset or empty means the first option; an unknown name is an error

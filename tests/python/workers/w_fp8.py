@@ -508,5 +508,37 @@ def fp8_delayed_grad_scale_from_python():
         bmt.nn.set_fp8_delayed_grads(prev)
 
 
+@case
+def fp8_recipe_switches_the_delayed_scalings_together():
+    """set_fp8_recipe("delayed") turns on the three delayed scalings, "current" turns them off, a switch set after
+    the recipe wins, and another name is refused naming the choices; with the delayed recipe bmt.nn.Linear(fp8=True)
+    keeps delayed scales for its input, weight and gradient."""
+    switches = (bmt.nn.fp8_delayed_gelu, bmt.nn.fp8_delayed_inputs, bmt.nn.fp8_delayed_grads)
+    prev = (bmt.nn.fp8_recipe(), [f() for f in switches])
+    try:
+        bmt.nn.set_fp8_recipe("delayed")
+        if bmt.nn.fp8_recipe() != "delayed" or not all(f() for f in switches):
+            raise AssertionError(f"recipe 'delayed': {bmt.nn.fp8_recipe()}, switches {[f() for f in switches]}")
+        layer = bmt.nn.Linear(IN, OUT, dtype=torch.float32, fp8=True)
+        bmt.init_parameters(layer)
+        layer(rank_input(rank(), ROWS, IN, seed=91)).backward(rank_input(rank(), ROWS, OUT, seed=92))
+        s = layer._fp8_scales
+        if not (s.input.ready and s.weight.ready and s.grad.ready):
+            raise AssertionError("recipe 'delayed': Linear(fp8) did not record its input, weight and gradient amaxes")
+        bmt.nn.set_fp8_delayed_grads(False)
+        if bmt.nn.fp8_delayed_grads() or not bmt.nn.fp8_delayed_inputs():
+            raise AssertionError("a switch set after the recipe did not win over it")
+        bmt.nn.set_fp8_recipe("current")
+        if bmt.nn.fp8_recipe() != "current" or any(f() for f in switches):
+            raise AssertionError(f"recipe 'current': switches {[f() for f in switches]}")
+        expect_raises("recipe 'tensorwise'", (RuntimeError, ValueError), lambda: bmt.nn.set_fp8_recipe("tensorwise"),
+                      must_mention=("tensorwise", "current", "delayed"))
+    finally:
+        bmt.nn.set_fp8_recipe(prev[0])
+        bmt.nn.set_fp8_delayed_gelu(prev[1][0])
+        bmt.nn.set_fp8_delayed_inputs(prev[1][1])
+        bmt.nn.set_fp8_delayed_grads(prev[1][2])
+
+
 if __name__ == "__main__":
     main()
