@@ -76,15 +76,15 @@ def _key_of(t):
     return id(t) if e is not None and e.ref() is t else None
 
 
-def _fp8_fill(x, w, b, out):
-    with torch.no_grad():  # the FP8 forward the first run computed (same casts, same GEMM)
-        out.copy_(_C.nn.fp8_linear(x, w, b, None))
+def _fp8_fill(x, w, b, scales, out):
+    with torch.no_grad():  # the FP8 forward the first run computed (same casts, same GEMM; its delayed scales)
+        out.copy_(_C.nn.fp8_linear(x, w, b, None, None, True, scales))
 
 
-def defer_linear(x, w, b, y, fp8=False):
-    """Registers y, a routed linear's deferred output (x, w, b: what linear_fill, or with fp8 the FP8 forward,
-    needs to compute it)."""
-    _deferred[id(y)] = _Entry(y, (lambda out: _fp8_fill(x, w, b, out)) if fp8 else
+def defer_linear(x, w, b, y, fp8=False, scales=None):
+    """Registers y, a routed linear's deferred output (x, w, b: what linear_fill, or with fp8 the FP8 forward with
+    the linear's delayed scales, if any, needs to compute it)."""
+    _deferred[id(y)] = _Entry(y, (lambda out: _fp8_fill(x, w, b, scales, out)) if fp8 else
                               (lambda out: _C.nn.linear_fill(x, w, b, out)))
     counts["deferred"] += 1
 

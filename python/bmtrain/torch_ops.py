@@ -30,7 +30,8 @@ be computed from the half tensor: the fp32 copy then lives only during the call 
 FP8 (opt-in, not in BMTrain): BMT_ROUTE_FP8=1 or set_fp8(True) / `with fp8(True): ...` sends a routed F.linear to
 bmtrain._C.nn.fp8_linear instead (its three GEMMs in FP8; bmt.nn.fp8_linear) when its shapes qualify (rows, in and
 out features multiples of 16); linears outside Blocks (an LM head, the loss) stay as written, and so do those of the
-Blocks given to set_fp8_exclude (e.g. the first and last layers).
+Blocks given to set_fp8_exclude (e.g. the first and last layers). Under the delayed recipe
+(bmt.nn.set_fp8_recipe("delayed")) each routed FP8 linear keeps its delayed scales on its weight parameter.
 
 Off switches: BMT_ROUTE_TORCH_OPS=0 (everything) or BMT_ROUTE_TORCH_OPS=linear,layer_norm (only those; names
 below); from code, set_routing(False) / set_routing(True, ops=(...)), or `with routing(False): ...`.
@@ -89,11 +90,12 @@ def _linear(args, kwargs):
     if (fp8_on() and (not _fp8_excluded or getattr(_tls, "module", None) not in _fp8_excluded)
             and _C.nn.fp8_linear_applies(x, w) and (b is None or b.dtype == x.dtype)):
         _counts["fp8_linear"] += 1  # (no GELU epilogue: the FP8 GEMMs are the point)
+        scales = _fp8_scales(w)
         if b is not None and recompute_tail.active():  # the recompute's tail, as below: no forward GEMM
-            y = _C.nn.fp8_linear(x, w, b, None, None, False)
-            recompute_tail.defer_linear(x, w, b, y, fp8=True)
+            y = _C.nn.fp8_linear(x, w, b, None, None, False, scales)
+            recompute_tail.defer_linear(x, w, b, y, fp8=True, scales=scales)
             return y
-        return _C.nn.fp8_linear(x, w, b, None)
+        return _C.nn.fp8_linear(x, w, b, None, None, True, scales)
     # in a checkpointed Block's recompute: the node without its GEMM until the output is read (recompute_tail.py)
     defer = b is not None and recompute_tail.active()
     if _gelus:
@@ -112,6 +114,18 @@ def _linear(args, kwargs):
         recompute_tail.defer_linear(x, w, b, y)
         return y
     return _C.nn.linear(x, w, b)
+
+
+def _fp8_scales(w):
+    # Under the delayed recipe (bmt.nn.set_fp8_recipe("delayed"), or its input / gradient switch) a routed FP8 linear's
+    # delayed scales, kept on its weight: a Block's parameter is the same object at every step (gathered or not), so
+    # the weight stands for the layer. A weight that is not a Parameter (made on the fly) casts dynamically.
+    if not isinstance(w, torch.nn.Parameter) or not (_C.nn.fp8_delayed_inputs() or _C.nn.fp8_delayed_grads()):
+        return None
+    s = w.__dict__.get("_bmt_fp8_scales")
+    if s is None:
+        s = w._bmt_fp8_scales = _C.nn.Fp8LinearScales()
+    return s
 
 
 # GELU outputs made in the running Block: id(h) -> (weakref to h, pre, h's version, pre's version). Emptied when

@@ -540,5 +540,56 @@ def fp8_recipe_switches_the_delayed_scalings_together():
         bmt.nn.set_fp8_delayed_grads(prev[1][2])
 
 
+@case
+def fp8_routed_linear_keeps_delayed_scales_on_its_weight():
+    """Under the delayed recipe a routed FP8 F.linear in a ZeRO-3 Block keeps an Fp8LinearScales on its weight
+    parameter: two steps give the output and input gradient of bmt.nn.fp8_linear driven through the same calls with
+    a state of its own, bit for bit (the first step casts dynamically, the second with the recorded scales), and
+    the states are ready; checkpointed, the recompute uses the same state; the current recipe makes no state."""
+    prev = (bmt.nn.fp8_recipe(), bmt.nn.fp8_delayed_gelu(), bmt.nn.fp8_delayed_inputs(), bmt.nn.fp8_delayed_grads())
+    try:
+        bmt.nn.set_fp8_recipe("delayed")
+        model = bmt.Block(_OneLinear())
+        bmt.init_parameters(model)
+        sd = model.state_dict()
+        w, b = sd["w"].to(device()), sd["b"].to(device())
+        ref = bmt.nn.Fp8LinearScales()
+        g = rank_input(rank(), ROWS, IN, seed=96) * 0.01
+        with bmt.torch_ops.fp8(True):
+            for step, scale in enumerate((1.0, 0.5)):
+                x = (rank_input(rank(), ROWS, IN, seed=95) * scale).requires_grad_()
+                y = model(x)
+                y.backward(g)
+                xr = x.detach().clone().requires_grad_()
+                yr = bmt.nn.fp8_linear(xr, w, b, scales=ref)
+                yr.backward(g)
+                assert_equal(f"step {step}: routed output", y.detach(), yr.detach())
+                assert_equal(f"step {step}: routed input gradient", x.grad, xr.grad)
+        s = model.w.__dict__.get("_bmt_fp8_scales")
+        if s is None or not (s.input.ready and s.weight.ready and s.grad.ready):
+            raise AssertionError("the routed linear kept no ready delayed scales on its weight")
+        assert_equal("the input's newest amax", s.input.history[0].cpu(), ref.input.history[0].cpu())
+        ckpt = bmt.Block(_OneLinear(), use_checkpoint=True)
+        bmt.init_parameters(ckpt)
+        with bmt.torch_ops.fp8(True):
+            x = rank_input(rank(), ROWS, IN, seed=97, requires_grad=True)
+            ckpt(x).backward(g)
+        s = ckpt.w.__dict__.get("_bmt_fp8_scales")
+        if s is None or not (s.input.ready and s.grad.ready) or x.grad is None or not torch.isfinite(x.grad).all():
+            raise AssertionError("checkpointed: no ready delayed scales, or no finite input gradient")
+        bmt.nn.set_fp8_recipe("current")
+        plain = bmt.Block(_OneLinear())
+        bmt.init_parameters(plain)
+        with bmt.torch_ops.fp8(True):
+            plain(rank_input(rank(), ROWS, IN, seed=98))
+        if "_bmt_fp8_scales" in plain.w.__dict__:
+            raise AssertionError("the current recipe made delayed scales for a routed linear")
+    finally:
+        bmt.nn.set_fp8_recipe(prev[0])
+        bmt.nn.set_fp8_delayed_gelu(prev[1])
+        bmt.nn.set_fp8_delayed_inputs(prev[2])
+        bmt.nn.set_fp8_delayed_grads(prev[3])
+
+
 if __name__ == "__main__":
     main()
