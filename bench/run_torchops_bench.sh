@@ -33,7 +33,9 @@
 #                           (the four; variant fp8-fused-dgelu-delayed-gelu-head-delayed-inputs), bmt_fp8_grads
 #                           (BMT_FP8_DELAYED_GRADS=1: the output gradients cast with delayed scales, the bias gradient
 #                           from the same pass; variant fp8-delayed-grads), bmt_fp8_all_grads (the five; variant
-#                           ...-delayed-inputs-delayed-grads); bmt_tune and bmt_fp8_tune
+#                           ...-delayed-inputs-delayed-grads), bmt_fp8_recipe (the same by --fp8-recipe delayed
+#                           --fp8-head; variant fp8-recipe-delayed-head), bmtpy_fp8_delayed (the package's --fp8
+#                           under BMT_FP8_RECIPE=delayed; variant fp8-recipe-delayed); bmt_tune and bmt_fp8_tune
 #                           (BMT_GEMM_AUTOTUNE=1: each GEMM shape's cuBLASLt algorithm timed among its candidates;
 #                           variants autotune, fp8-autotune)
 #   TORCHOPS_SMOKE=1        every run on the tiny preset, 1 + 1 steps, rows to $LOGDIR/smoke.jsonl (CPU without a GPU)
@@ -175,6 +177,12 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
         bmt_fp8_all_grads) BENCH_VARIANT=fp8-fused-dgelu-delayed-gelu-head-delayed-inputs-delayed-grads \
           run_one "bmt_fp8_all_grads_$cfg" bmt "$CANON" env BMT_FP8_DGELU_FUSED=1 BMT_FP8_DELAYED_GELU=1 \
           BMT_FP8_DELAYED_INPUTS=1 BMT_FP8_DELAYED_GRADS=1 "$BIN" --framework bmt $C --fp8 --fp8-head ;;
+        # the delayed recipe by its one switch (the three delayed scalings) with the FP8 head: bmt_fp8_all_grads's
+        # numerics; and the package's routed FP8 linears under the same recipe (their scales on the weights)
+        bmt_fp8_recipe) BENCH_VARIANT=fp8-recipe-delayed-head run_one "bmt_fp8_recipe_$cfg" bmt "$CANON" \
+                          "$BIN" --framework bmt $C --fp8 --fp8-recipe delayed --fp8-head ;;
+        bmtpy_fp8_delayed) run_one "bmtpy_fp8_delayed_$cfg" py "$CANON" env BMT_FP8_RECIPE=delayed "${PY[@]}" \
+                             --framework bmtrain $P --fp8 --variant fp8-recipe-delayed ;;
         bmt_fp8_grads) BENCH_VARIANT=fp8-delayed-grads run_one "bmt_fp8_grads_$cfg" bmt "$CANON" \
                          env BMT_FP8_DELAYED_GRADS=1 "$BIN" --framework bmt $C --fp8 ;;
         bmt_fp8_inputs) BENCH_VARIANT=fp8-delayed-inputs run_one "bmt_fp8_inputs_$cfg" bmt "$CANON" \
