@@ -25,12 +25,21 @@ struct ScaleHandle : torch::CustomClassHolder {
 
 EnvChoice<Fp8Recipe, 2> g_recipe("BMT_FP8_RECIPE",
                                  {{{"current", Fp8Recipe::kCurrent}, {"delayed", Fp8Recipe::kDelayed}}});
-// (each unset switch follows the recipe)
-EnvSwitch g_delayed_gelu("BMT_FP8_DELAYED_GELU", false);
-EnvSwitch g_delayed_inputs("BMT_FP8_DELAYED_INPUTS", false);
-EnvSwitch g_delayed_grads("BMT_FP8_DELAYED_GRADS", false);
-
 bool recipe_delayed() { return g_recipe.get() == Fp8Recipe::kDelayed; }
+
+// One delayed scaling's switch: its variable wins where set ("0" off, else on); unset, it follows the recipe.
+class RecipeSwitch {
+ public:
+  explicit constexpr RecipeSwitch(const char* variable) : env_(variable) {}
+  bool enabled() { return env_.enabled(recipe_delayed()); }
+  void set(bool on) { env_.set(on); }
+
+ private:
+  EnvSwitch env_;  // (its own default is never asked: enabled() passes the recipe's)
+};
+RecipeSwitch g_delayed_gelu("BMT_FP8_DELAYED_GELU");
+RecipeSwitch g_delayed_inputs("BMT_FP8_DELAYED_INPUTS");
+RecipeSwitch g_delayed_grads("BMT_FP8_DELAYED_GRADS");
 
 }  // namespace
 
@@ -46,11 +55,11 @@ Fp8Recipe fp8_recipe_from_name(const std::string& name, const char* who) {
   BMT_ERROR(who, ": FP8 recipe '", name, "' is not 'current' or 'delayed'");
 }
 const char* fp8_recipe_name(Fp8Recipe recipe) { return recipe == Fp8Recipe::kDelayed ? "delayed" : "current"; }
-bool fp8_delayed_gelu_enabled() { return g_delayed_gelu.enabled(recipe_delayed()); }
+bool fp8_delayed_gelu_enabled() { return g_delayed_gelu.enabled(); }
 void set_fp8_delayed_gelu_enabled(bool enabled) { g_delayed_gelu.set(enabled); }
-bool fp8_delayed_inputs_enabled() { return g_delayed_inputs.enabled(recipe_delayed()); }
+bool fp8_delayed_inputs_enabled() { return g_delayed_inputs.enabled(); }
 void set_fp8_delayed_inputs_enabled(bool enabled) { g_delayed_inputs.set(enabled); }
-bool fp8_delayed_grads_enabled() { return g_delayed_grads.enabled(recipe_delayed()); }
+bool fp8_delayed_grads_enabled() { return g_delayed_grads.enabled(); }
 void set_fp8_delayed_grads_enabled(bool enabled) { g_delayed_grads.set(enabled); }
 
 Fp8DelayedScale::Fp8DelayedScale(int64_t history_len, Fp8Format format)
