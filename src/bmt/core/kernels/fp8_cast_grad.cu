@@ -38,7 +38,7 @@ template <DType D, Fp8Format F, bool kDGelu>
 __global__ void __launch_bounds__(kVecThreads)
     cast_grad_kernel(Pieces dy, const void* pre, int64_t rows, int64_t cols, CastScale cs, uint8_t* q,
                      uint8_t* qt, float* partial) {
-  __shared__ __align__(8) VecTile tile;
+  __shared__ __align__(8) uint8_t tile[kVecTile][kVecTile + 4];
   __shared__ float lanes[kRowLanes][kVecTile + 1];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kVecTile, c0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
   const float scale = tensor_scale(cs);
@@ -69,7 +69,9 @@ __global__ void __launch_bounds__(kVecThreads)
         acc[k] += e[k];
         w[k / 4] |= static_cast<uint32_t>(to_fp8<F>(e[k], scale)) << (8 * (k % 4));
       }
-      put_group(q, r * cols + c, tile, lr, lc, w);
+      if (q) *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(w[0], w[1]);
+      *reinterpret_cast<uint32_t*>(&tile[lr][lc]) = w[0];
+      *reinterpret_cast<uint32_t*>(&tile[lr][lc + 4]) = w[1];
     }
   }
   if (partial) {  // (uniform over the block)
@@ -86,7 +88,19 @@ __global__ void __launch_bounds__(kVecThreads)
       partial[static_cast<int64_t>(blockIdx.y) * cols + c] = s;
     }
   }
-  if (qt) put_tile_transposed(tile, r0, c0, rows, cols, qt);
+  if (qt) {
+#pragma unroll
+    for (int g = threadIdx.x; g < kTileGroups; g += kVecThreads) {
+      const int tc = g / kPerRow, tr = (g % kPerRow) * kGroup;
+      const int64_t c = c0 + tc, r = r0 + tr;
+      if (r < rows && c < cols) {
+        uint32_t w[2] = {0, 0};
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) w[k / 4] |= static_cast<uint32_t>(tile[tr + k][tc]) << (8 * (k % 4));
+        *reinterpret_cast<uint2*>(qt + c * rows + r) = make_uint2(w[0], w[1]);
+      }
+    }
+  }
   fold_amax(cs, m);
 }
 

@@ -129,35 +129,6 @@ __device__ __forceinline__ void load_column_scales(const CastScale& cs, int64_t 
   __syncthreads();
 }
 
-// The 8-wide tiles' shared bytes: 64 rows of 64, row stride 68 (4-byte aligned rows for the word writes, and at most
-// 2-way bank conflicts either way).
-using VecTile = uint8_t[kVecTile][kVecTile + 4];
-
-// A group's 8 bytes (w: the low 4, then the high 4) at q[at] (where q is asked for) and at the tile's (lr, lc).
-__device__ __forceinline__ void put_group(uint8_t* q, int64_t at, VecTile& tile, int lr, int lc, const uint32_t (&w)[2]) {
-  if (q) *reinterpret_cast<uint2*>(q + at) = make_uint2(w[0], w[1]);
-  *reinterpret_cast<uint32_t*>(&tile[lr][lc]) = w[0];
-  *reinterpret_cast<uint32_t*>(&tile[lr][lc + 4]) = w[1];
-}
-
-// The tile at (r0, c0), filled by put_group (after a __syncthreads), written transposed into qt (cols x rows): each
-// thread gathers 8 bytes of one column and stores them as one 8-byte word.
-__device__ __forceinline__ void put_tile_transposed(const VecTile& tile, int64_t r0, int64_t c0, int64_t rows,
-                                                    int64_t cols, uint8_t* qt) {
-  constexpr int kGroups = kVecTile * kVecTile / kGroup, kPerRow = kVecTile / kGroup;
-#pragma unroll
-  for (int g = threadIdx.x; g < kGroups; g += kVecThreads) {
-    const int lc = g / kPerRow, lr = (g % kPerRow) * kGroup;
-    const int64_t c = c0 + lc, r = r0 + lr;
-    if (r < rows && c < cols) {
-      uint32_t w[2] = {0, 0};
-#pragma unroll
-      for (int k = 0; k < kGroup; ++k) w[k / 4] |= static_cast<uint32_t>(tile[lr + k][lc]) << (8 * (k % 4));
-      *reinterpret_cast<uint2*>(qt + c * rows + r) = make_uint2(w[0], w[1]);
-    }
-  }
-}
-
 // Any shape: 32 x 32 tiles, one element per thread and step.
 template <DType D, Fp8Format F, bool kPerColumn>
 __global__ void __launch_bounds__(kTile * kTileRows) cast_transpose_kernel(const void* x, int64_t rows, int64_t cols,
@@ -195,7 +166,8 @@ __global__ void __launch_bounds__(kTile * kTileRows) cast_transpose_kernel(const
 template <DType D, Fp8Format F, bool kPerColumn>
 __global__ void __launch_bounds__(kVecThreads) cast_transpose_vec_kernel(const void* x, int64_t rows, int64_t cols,
                                                                         CastScale cs, uint8_t* q, uint8_t* qt) {
-  __shared__ __align__(8) VecTile tile;
+  // row stride 68: 4-byte aligned rows for the word writes, and at most 2-way bank conflicts either way
+  __shared__ __align__(8) uint8_t tile[kVecTile][kVecTile + 4];
   __shared__ float col_scale[kVecTile];
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kVecTile, c0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
   float scale = 0.0f;
@@ -216,11 +188,23 @@ __global__ void __launch_bounds__(kVecThreads) cast_transpose_vec_kernel(const v
 #pragma unroll
       for (int k = 0; k < kGroup; ++k)
         w[k / 4] |= static_cast<uint32_t>(to_fp8<F>(e[k], kPerColumn ? col_scale[lc + k] : scale)) << (8 * (k % 4));
-      put_group(q, r * cols + c, tile, lr, lc, w);
+      if (q) *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(w[0], w[1]);
+      *reinterpret_cast<uint32_t*>(&tile[lr][lc]) = w[0];
+      *reinterpret_cast<uint32_t*>(&tile[lr][lc + 4]) = w[1];
     }
   }
   __syncthreads();
-  put_tile_transposed(tile, r0, c0, rows, cols, qt);
+#pragma unroll
+  for (int g = threadIdx.x; g < kGroups; g += kVecThreads) {
+    const int lc = g / kPerRow, lr = (g % kPerRow) * kGroup;
+    const int64_t c = c0 + lc, r = r0 + lr;
+    if (r < rows && c < cols) {
+      uint32_t w[2] = {0, 0};
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) w[k / 4] |= static_cast<uint32_t>(tile[lr + k][lc]) << (8 * (k % 4));
+      *reinterpret_cast<uint2*>(qt + c * rows + r) = make_uint2(w[0], w[1]);
+    }
+  }
   fold_amax(cs, m);  // (per column: amax_fold is null)
 }
 
