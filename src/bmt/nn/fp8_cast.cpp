@@ -29,30 +29,21 @@ EnvSwitch g_amax_from_sum("BMT_FP8_AMAX_FROM_SUM", true);
 EnvSwitch g_dgelu_fused("BMT_FP8_DGELU_FUSED", true);
 
 // An FP8 cast's outputs in `format` on like's device: data (rows x cols) where row_major, data_t (cols x rows) where
-// transposed, with per-row inverse scales (inv, inv_t) for rowwise scaling; q / qt are their bytes (null where not
-// asked), what the kernels write.
-struct Fp8Outputs {
-  Fp8Tensor t;
-  uint8_t* q = nullptr;
-  uint8_t* qt = nullptr;
-};
-Fp8Outputs fp8_outputs(const at::Tensor& like, int64_t rows, int64_t cols, Fp8Format format, bool row_major,
-                       bool transposed, bool rowwise_inv = false) {
+// transposed, with per-row inverse scales (inv, inv_t) for rowwise scaling.
+Fp8Tensor fp8_outputs(const at::Tensor& like, int64_t rows, int64_t cols, Fp8Format format, bool row_major,
+                      bool transposed, bool rowwise_inv = false) {
   const auto opts = like.options().dtype(fp8_dtype(format));
   const auto f32 = like.options().dtype(at::kFloat);
-  Fp8Outputs o;
-  if (row_major) {
-    o.t.data = at::empty({rows, cols}, opts);
-    o.q = static_cast<uint8_t*>(o.t.data.data_ptr());
-    if (rowwise_inv) o.t.inv = at::empty({rows}, f32);
-  }
-  if (transposed) {
-    o.t.data_t = at::empty({cols, rows}, opts);
-    o.qt = static_cast<uint8_t*>(o.t.data_t.data_ptr());
-    if (rowwise_inv) o.t.inv_t = at::empty({cols}, f32);
-  }
-  return o;
+  Fp8Tensor r;
+  if (row_major) r.data = at::empty({rows, cols}, opts);
+  if (transposed) r.data_t = at::empty({cols, rows}, opts);
+  if (rowwise_inv && row_major) r.inv = at::empty({rows}, f32);
+  if (rowwise_inv && transposed) r.inv_t = at::empty({cols}, f32);
+  return r;
 }
+
+// An output's bytes, what the kernels write (null where that layout was not asked for)
+uint8_t* fp8_bytes(const at::Tensor& t) { return t.defined() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr; }
 
 }  // namespace
 
@@ -77,7 +68,8 @@ Fp8Tensor cast_per_tensor(const at::Tensor& matrix, Fp8Format format, bool rowwi
             " is not fp32, bf16 or fp16");
   const at::Tensor m = matrix.contiguous();
   const int64_t rows = m.size(0), cols = m.size(1);
-  auto [r, q, qt] = fp8_outputs(m, rows, cols, format, rowwise, transposed);
+  Fp8Tensor r = fp8_outputs(m, rows, cols, format, rowwise, transposed);
+  uint8_t *q = fp8_bytes(r.data), *qt = fp8_bytes(r.data_t);
   if (!delayed) r.stats = known ? known->stats : at::empty({3}, m.options().dtype(at::kFloat));
   const core::DType dt = to_core_dtype(m.scalar_type());
   const k::Fp8Format f = core_format(format);
@@ -222,7 +214,8 @@ Fp8Tensor cast_grad_delayed(at::TensorList pieces, const at::Tensor& pre, Fp8Del
     return cast_per_tensor(d, state.format(), row_major, transposed, at::Tensor(), nullptr, &state);
   }
 #endif
-  auto [r, q, qt] = fp8_outputs(first, rows, cols, state.format(), row_major, transposed);
+  Fp8Tensor r = fp8_outputs(first, rows, cols, state.format(), row_major, transposed);
+  uint8_t *q = fp8_bytes(r.data), *qt = fp8_bytes(r.data_t);
   if (db) *db = at::empty({cols}, first.options().dtype(sum_dtype));
   const core::DType dt = to_core_dtype(first.scalar_type()), sum_dt = to_core_dtype(sum_dtype);
   const k::Fp8Format f = core_format(state.format());
@@ -282,7 +275,8 @@ Fp8Tensor fp8_cast_rowwise(const at::Tensor& matrix, Fp8Format format, bool row_
             " is not fp32, bf16 or fp16");
   const at::Tensor m = matrix.contiguous();
   const int64_t rows = m.size(0), cols = m.size(1);
-  auto [r, q, qt] = fp8_outputs(m, rows, cols, format, row_major, transposed, /*rowwise_inv=*/true);
+  Fp8Tensor r = fp8_outputs(m, rows, cols, format, row_major, transposed, /*rowwise_inv=*/true);
+  uint8_t *q = fp8_bytes(r.data), *qt = fp8_bytes(r.data_t);
   float* q_inv = row_major ? r.inv.data_ptr<float>() : nullptr;
   float* qt_inv = transposed ? r.inv_t.data_ptr<float>() : nullptr;
   const core::DType dt = to_core_dtype(m.scalar_type());
