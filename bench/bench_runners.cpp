@@ -68,6 +68,7 @@ Runner make_bmt_runner(const Args& a, const Shape& shape) {
   examples::ParallelOptions parallel(a.zero, a.checkpointing);
   parallel.fp8 = a.fp8;
   parallel.fp8_head = a.fp8_head;
+  parallel.fp8_head_backward = a.fp8_head_backward;
   if (!a.fp8_recipe.empty()) bmt::nn::set_fp8_recipe(bmt::nn::fp8_recipe_from_name(a.fp8_recipe, "--fp8-recipe"));
   parallel.pipe_schedule = bmt::parse_pipe_schedule(a.pp_schedule);
   std::shared_ptr<examples::LanguageModel> model = examples::make_model(shape.model, parallel, dtype);

@@ -167,6 +167,7 @@ int run(const Args& a) {
       fp8_rows || bmt::nn::fp8_grad_format() == bmt::nn::Fp8Format::kE4M3 ? "e4m3" : "e5m2";
   if (a.fp8) config += fp8_rows ? std::string(" fp8-rowwise") : " fp8-" + fp8_grad;
   if (a.fp8_head) config += " fp8-head";
+  if (a.fp8_head_backward) config += " fp8-head-backward";
   // the delayed scalings in effect (nn::fp8_recipe, or each switch's own variable)
   std::string fp8_delayed;
   for (const auto& [on, name] : {std::pair<bool, const char*>{bmt::nn::fp8_delayed_gelu_enabled(), "gelu"},
@@ -301,6 +302,7 @@ int run(const Args& a) {
       << ",\"fp8_grad\":" << (a.fp8 ? json_str(fp8_grad) : "null")
       << ",\"fp8_scaling\":" << (a.fp8 ? json_str(fp8_rows ? "row" : "tensor") : "null")
       << ",\"fp8_head\":" << (a.fp8_head ? "true" : "false")
+      << ",\"fp8_head_backward\":" << (a.fp8_head_backward ? "true" : "false")
       << ",\"fp8_delayed\":" << (a.fp8 ? json_str(fp8_delayed) : "null")
       << ",\"offload\":" << (a.offload ? "true" : "false") << ",\"zero\":" << (a.framework == "bmt" ? std::to_string(a.zero) : "null")
       << ",\"device\":" << json_str(r.device.str()) << ",\"params\":" << r.num_params

@@ -17,6 +17,8 @@ const char* kUsage =
     "                       [--seq T] [--batch B] [--steps N (10)] [--warmup W (3)] [--checkpointing] [--offload]\n"
     "                       [--fp8 (bmt, gpt: FP8 GEMMs in the transformer layers; JSON \"fp8\": true)]\n"
     "                       [--fp8-head (with --fp8: the LM head's GEMMs in FP8 too; JSON \"fp8_head\": true)]\n"
+    "                       [--fp8-head-backward (instead: only the head's backward GEMMs in FP8; JSON\n"
+    "                        \"fp8_head_backward\": true)]\n"
     "                       [--fp8-recipe current|delayed (with --fp8: how scales are found; default BMT_FP8_RECIPE,\n"
     "                        else current; JSON \"fp8_recipe\")]\n"
     "                       [--zero 2|3] [--json PATH] [--arch gpt|llama] [--device auto|cpu|cuda (plain)]\n"
@@ -81,6 +83,7 @@ Args parse_args(int argc, char** argv) {
     else if (f == "--checkpointing") a.checkpointing = true;
     else if (f == "--fp8") a.fp8 = true;
     else if (f == "--fp8-head") a.fp8_head = true;
+    else if (f == "--fp8-head-backward") a.fp8_head_backward = true;
     else if (f == "--fp8-recipe") a.fp8_recipe = need(i);
     else if (f == "--offload") a.offload = true;
     else if (f == "--offload-blocks") a.offload = a.offload_blocks_only = true;
@@ -115,6 +118,10 @@ Args parse_args(int argc, char** argv) {
   if (a.fp8 && a.framework != "bmt") throw std::invalid_argument("--fp8 is for --framework bmt");
   if (a.fp8_head && !a.fp8)
     throw std::invalid_argument("--fp8-head puts the LM head in FP8 beside the layers; add --fp8");
+  if (a.fp8_head_backward && !a.fp8)
+    throw std::invalid_argument("--fp8-head-backward puts the LM head's backward GEMMs in FP8; add --fp8");
+  if (a.fp8_head && a.fp8_head_backward)
+    throw std::invalid_argument("--fp8-head and --fp8-head-backward are two choices for the LM head; give one");
   if (!a.fp8_recipe.empty() && !a.fp8) throw std::invalid_argument("--fp8-recipe is for --fp8");
   if (!a.fp8_recipe.empty() && a.fp8_recipe != "current" && a.fp8_recipe != "delayed")
     throw std::invalid_argument("--fp8-recipe must be current or delayed, got '" + a.fp8_recipe + "'");

@@ -17,6 +17,7 @@ struct Args {
   bool checkpointing = false, offload = false, raw_step = false, force = false, no_overlap = false;
   bool fp8 = false;  // --fp8: FP8 GEMMs in the transformer layers' linears (examples::ParallelOptions::fp8)
   bool fp8_head = false;  // --fp8-head: the LM head in FP8 too (examples::ParallelOptions::fp8_head)
+  bool fp8_head_backward = false;  // --fp8-head-backward: its backward GEMMs only (ParallelOptions::fp8_head_backward)
   std::string fp8_recipe;  // --fp8-recipe current|delayed (empty: BMT_FP8_RECIPE's; nn::set_fp8_recipe)
   int zero = 3;
   int tp = 1;

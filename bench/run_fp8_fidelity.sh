@@ -10,7 +10,8 @@
 #            100); default both
 #   FIDELITY_RUNS="bf16 fp8"  the runs of each config, bf16 first (the reference): bf16 or fp8, each followed by
 #            modifiers joined with _: e4m3grad (BMT_FP8_GRAD=e4m3), row (BMT_FP8_SCALING=row), ends
-#            (--fp8-bf16-layers 0,-1), head (--fp8-head), delayed (BMT_FP8_DELAYED_GELU=1: the MLP's GELU output
+#            (--fp8-bf16-layers 0,-1), head (--fp8-head), headbwd (--fp8-head-backward: the head's
+#            backward GEMMs only), delayed (BMT_FP8_DELAYED_GELU=1: the MLP's GELU output
 #            in E4M3 from c_fc's GEMM, delayed scaling), inputs (BMT_FP8_DELAYED_INPUTS=1: the linears' inputs and
 #            weights cast with delayed scales), grads (BMT_FP8_DELAYED_GRADS=1: the output gradients cast with
 #            delayed scales), mlp / attn (--fp8-linears), seedN (--seed N:
@@ -48,6 +49,7 @@ run_recipe() {
       row) ENVS="$ENVS BMT_FP8_SCALING=row" ;;
       ends) FLAGS="$FLAGS --fp8-bf16-layers 0,-1" ;;
       head) FLAGS="$FLAGS --fp8-head" ;;
+      headbwd) FLAGS="$FLAGS --fp8-head-backward" ;;
       delayed) ENVS="$ENVS BMT_FP8_DELAYED_GELU=1" ;;
       inputs) ENVS="$ENVS BMT_FP8_DELAYED_INPUTS=1" ;;
       grads) ENVS="$ENVS BMT_FP8_DELAYED_GRADS=1" ;;

@@ -35,7 +35,8 @@
 #                           from the same pass; variant fp8-delayed-grads), bmt_fp8_all_grads (the five; variant
 #                           ...-delayed-inputs-delayed-grads), bmt_fp8_recipe (the same by --fp8-recipe delayed
 #                           --fp8-head; variant fp8-recipe-delayed-head), bmt_fp8_recipe_nohead (--fp8-recipe
-#                           delayed alone, the LM head in bf16; variant fp8-recipe-delayed), bmtpy_fp8_delayed (the package's --fp8
+#                           delayed alone, the LM head in bf16; variant fp8-recipe-delayed), bmt_fp8_recipe_headbwd (the same with
+#                           --fp8-head-backward; variant fp8-recipe-delayed-head-backward), bmtpy_fp8_delayed (the package's --fp8
 #                           under BMT_FP8_RECIPE=delayed; variant fp8-recipe-delayed); bmt_tune and bmt_fp8_tune
 #                           (BMT_GEMM_AUTOTUNE=1: each GEMM shape's cuBLASLt algorithm timed among its candidates;
 #                           variants autotune, fp8-autotune)
@@ -185,6 +186,10 @@ if [ "${TORCHOPS_FP8:-0}" = 1 ]; then
         # the delayed recipe without the FP8 head: the fastest combination the 124M loss accepts (session 31)
         bmt_fp8_recipe_nohead) BENCH_VARIANT=fp8-recipe-delayed run_one "bmt_fp8_recipe_nohead_$cfg" bmt "$CANON" \
                                  "$BIN" --framework bmt $C --fp8 --fp8-recipe delayed ;;
+        # and with the head's backward GEMMs in FP8 (its logits in bf16)
+        bmt_fp8_recipe_headbwd) BENCH_VARIANT=fp8-recipe-delayed-head-backward \
+          run_one "bmt_fp8_recipe_headbwd_$cfg" bmt "$CANON" "$BIN" --framework bmt $C --fp8 --fp8-recipe delayed \
+          --fp8-head-backward ;;
         bmtpy_fp8_delayed) run_one "bmtpy_fp8_delayed_$cfg" py "$CANON" env BMT_FP8_RECIPE=delayed "${PY[@]}" \
                              --framework bmtrain $P --fp8 --variant fp8-recipe-delayed ;;
         bmt_fp8_grads) BENCH_VARIANT=fp8-delayed-grads run_one "bmt_fp8_grads_$cfg" bmt "$CANON" \

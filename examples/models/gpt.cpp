@@ -125,7 +125,7 @@ Gpt::Gpt(const ModelConfig& config, const ParallelOptions& parallel, at::ScalarT
     tp.finish(*this);
   }
   if (first || last) set_vocab_layout(tp, "wte", wte.vocab_parallel(), "wte", wte.vocab_parallel());  // tied head
-  if (first || last) wte.set_fp8_projection(fp8_head(parallel));
+  if (first || last) wte.set_fp8_projection(fp8_head(parallel), parallel.fp8_head_backward);
 }
 
 at::Tensor Gpt::embed_rows(const TokenRows& rows) {

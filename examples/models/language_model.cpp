@@ -217,7 +217,11 @@ bool fp8_linear_group(const ParallelOptions& parallel, bool attention) {
 bool fp8_head(const ParallelOptions& parallel) {
   BMT_CHECK(parallel.fp8 || !parallel.fp8_head, "model: fp8_head (--fp8-head) puts the LM head in FP8 beside the "
             "layers; it needs fp8 (--fp8)");
-  return parallel.fp8_head;
+  BMT_CHECK(parallel.fp8 || !parallel.fp8_head_backward, "model: fp8_head_backward (--fp8-head-backward) puts the LM "
+            "head's backward GEMMs in FP8 beside the layers; it needs fp8 (--fp8)");
+  BMT_CHECK(!(parallel.fp8_head && parallel.fp8_head_backward), "model: fp8_head (--fp8-head) and fp8_head_backward "
+            "(--fp8-head-backward) are two choices for the LM head; set one");
+  return parallel.fp8_head || parallel.fp8_head_backward;
 }
 
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& config, const ParallelOptions& parallel,

@@ -71,6 +71,10 @@ struct ParallelOptions {
   // With fp8: the LM head's GEMMs in FP8 too (gpt: the tied projection of wte; llama: output). Off by default: the
   // head's logits feed the loss directly, and FP8 recipes keep it in bf16; a speed knob, measured in BENCHMARKS.md.
   bool fp8_head = false;
+  // With fp8, instead of fp8_head: only the LM head's two backward GEMMs in FP8, its forward (the logits, so the loss)
+  // in the parameter dtype. fp8_head costs held-out loss at 124M (BENCHMARKS.md, session 31); this keeps most of its
+  // GEMM time saved (two of the three GEMMs) with exact logits.
+  bool fp8_head_backward = false;
   // The tensor-parallel layout; unset: the architecture's plan (gpt_tp_plan / llama_tp_plan) with
   // bmt::config().sequence_parallel. Ignored at tp_size 1 except for its validation.
   std::optional<bmt::nn::TpPlan> tp_plan;
@@ -164,7 +168,8 @@ bool fp8_layer(const ParallelOptions& parallel, int64_t layer, int64_t num_layer
 // Whether an FP8 layer's attention (attention = true) or MLP linears run in FP8 (parallel.fp8_linears); throws
 // naming the value when it is not all, mlp or attn.
 bool fp8_linear_group(const ParallelOptions& parallel, bool attention);
-// Whether the LM head runs in FP8 (parallel.fp8_head); throws when fp8_head is set without fp8.
+// Whether the LM head runs in FP8 (parallel.fp8_head or fp8_head_backward, the latter its backward GEMMs only);
+// throws when one is set without fp8, or both are.
 bool fp8_head(const ParallelOptions& parallel);
 
 std::shared_ptr<LanguageModel> make_model(const ModelConfig& config, const ParallelOptions& parallel,

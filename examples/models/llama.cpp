@@ -101,7 +101,7 @@ Llama::Llama(const ModelConfig& config, const ParallelOptions& parallel, at::Sca
   if (last) {
     norm = register_module("norm", bmt::nn::RMSNorm(config_.dim, config_.norm_eps, dtype));
     output = tp.root().linear(*this, "output", config_.dim, config_.vocab_size, false, dtype);
-    output.set_fp8(fp8_head(parallel));
+    output.set_fp8(fp8_head(parallel), parallel.fp8_head_backward);
   }
   if (pipelined) {
     tp.root().finish(*this);  // plan entries of other stages' modules match nothing here

@@ -40,6 +40,8 @@ std::string train_usage() {
                       last 16 amaxes, no amax passes: TransformerEngine's recipe); default BMT_FP8_RECIPE, else current
   --fp8-head          with --fp8: the LM head's GEMMs in FP8 too (gpt: wte's tied projection, llama: output);
                       default off (the head stays --dtype; in FP8 it cost ~2-3% held-out loss at 124M)
+  --fp8-head-backward with --fp8, instead of --fp8-head: only the LM head's two backward GEMMs in FP8, the logits
+                      (and so the loss) computed in --dtype
   --cuda-graphs       capture the forward + backward (ZeRO gathers and reductions included) as a CUDA graph
                       after 2 eager steps and replay it (bmt::CudaGraphStep; the optimizer step stays eager);
                       not with --pp; eager on CPUs (a notice). Default on for one GPU (world 1, no --pp);
@@ -150,6 +152,8 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
       a.fp8 = true;
     } else if (arg == "--fp8-head") {
       a.fp8_head = true;
+    } else if (arg == "--fp8-head-backward") {
+      a.fp8_head_backward = true;
     } else if (arg == "--cuda-graphs") {
       a.cuda_graphs = true;
     } else if (arg == "--no-cuda-graphs") {
@@ -217,6 +221,9 @@ TrainArgs parse_train_args(int argc, const char* const* argv) {
             "--fp8-linears must be all, mlp or attn, got '", a.fp8_linears, "'");
   BMT_CHECK(a.fp8 || a.fp8_linears == "all", "--fp8-linears chooses the linears in FP8; it needs --fp8");
   BMT_CHECK(a.fp8 || !a.fp8_head, "--fp8-head puts the LM head in FP8 beside the layers; it needs --fp8");
+  BMT_CHECK(a.fp8 || !a.fp8_head_backward, "--fp8-head-backward puts the LM head's backward GEMMs in FP8; it needs --fp8");
+  BMT_CHECK(!(a.fp8_head && a.fp8_head_backward), "--fp8-head and --fp8-head-backward are two choices for the LM head; "
+            "give one");
   BMT_CHECK(a.fp8 || a.fp8_recipe.empty(), "--fp8-recipe chooses how FP8 scales are found; it needs --fp8");
   if (!a.fp8_recipe.empty()) bmt::nn::fp8_recipe_from_name(a.fp8_recipe, "--fp8-recipe");
   BMT_CHECK(a.model == "gpt" || a.model == "llama", "--model must be gpt or llama, got '", a.model, "'");

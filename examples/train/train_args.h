@@ -30,6 +30,7 @@ struct TrainArgs {
   std::vector<int64_t> fp8_bf16_layers;  // --fp8-bf16-layers 0,-1: layers kept in the parameter dtype
   std::string fp8_linears = "all";      // --fp8-linears all|mlp|attn: which linears of a layer
   bool fp8_head = false;                 // --fp8-head: the LM head in FP8 too (ParallelOptions::fp8_head)
+  bool fp8_head_backward = false;        // --fp8-head-backward: its backward GEMMs only (ParallelOptions::fp8_head_backward)
   std::string fp8_recipe;                // --fp8-recipe current|delayed (empty: BMT_FP8_RECIPE's, nn::fp8_recipe)
   bool cuda_graphs = false;          // --cuda-graphs: forward + backward replayed as one CUDA graph (bmt::CudaGraphStep)
   bool no_cuda_graphs = false;       // --no-cuda-graphs: eager even where graphs are the default

@@ -90,6 +90,7 @@ void build(Run& run) {
   parallel.fp8_bf16_layers = args.fp8_bf16_layers;
   parallel.fp8_linears = args.fp8_linears;
   parallel.fp8_head = args.fp8_head;
+  parallel.fp8_head_backward = args.fp8_head_backward;
   if (!args.fp8_recipe.empty()) bmt::nn::set_fp8_recipe(bmt::nn::fp8_recipe_from_name(args.fp8_recipe, "--fp8-recipe"));
   parallel.pipe_schedule = bmt::parse_pipe_schedule(args.pp_schedule);
   run.model = make_model(s.model, parallel, s.dtype);

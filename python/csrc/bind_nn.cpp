@@ -147,6 +147,9 @@ void bind_nn(py::module_& m) {
                              py::return_value_policy::reference_internal)
       .def_property_readonly("grad", [](LinearScales& s) -> DelayedScale& { return s.grad; },
                              py::return_value_policy::reference_internal)
+      .def_readwrite("backward_only", &LinearScales::backward_only,
+                     "True: fp8_linear(scales=) keeps the forward GEMM in the input's dtype, only its two backward "
+                     "GEMMs in FP8 (an LM head: exact logits)")
       .def("__deepcopy__", [](const LinearScales&, const py::dict&) { return std::make_shared<LinearScales>(); })
       // (a module holding one pickles: the windows are not state, an unpickled one starts afresh)
       .def(py::pickle([](const LinearScales&) { return py::tuple(); },

@@ -249,3 +249,48 @@ TEST(Fp8Training, Fp8HeadRunsTheLmHeadsGemmsInFp8) {
   const char* no_fp8[] = {"train_gpt", "--fp8-head"};
   EXPECT_THROW(examples::parse_train_args(2, no_fp8), std::exception);
 }
+
+TEST(Fp8Training, Fp8HeadBackwardKeepsTheLogitsAndPutsTheHeadsGradientsInFp8) {
+  bmt::testing::run_ranks(1, [] {
+    examples::ModelConfig c;
+    c.num_layers = 2, c.dim = 64, c.num_heads = 4, c.ffn_dim = 256, c.vocab_size = 32, c.max_seq_len = 16;
+    examples::ParallelOptions head(3, false);
+    head.fp8 = true;
+    head.fp8_head_backward = true;
+    examples::Gpt m(c, head, at::kFloat);
+    bmt::init_parameters(m);
+    // The logits are the fp32 GEMM's; the table's gradient through them is fp8_linear's (E5M2 dy, E4M3 x).
+    const at::Tensor x = at::randn({32, c.dim}), g = at::randn({32, c.vocab_size});
+    const at::Tensor E = bmt::gathered(m.wte.weight()).detach().requires_grad_();
+    const at::Tensor logits = m.wte.projection(x, E);
+    EXPECT_TRUE(at::equal(logits.detach(), at::linear(x, E.detach())));
+    logits.backward(g);
+    const at::Tensor E8 = E.detach().clone().requires_grad_();
+    bmt::nn::fp8_linear(x, E8, at::Tensor(), bmt::nn::fp8_grad_format()).backward(g);
+    EXPECT_TRUE(at::equal(E.grad(), E8.grad()));
+    EXPECT_FALSE(at::equal(E.grad(), at::mm(g.t(), x)));
+    // Llama: its output linear's FP8 state says backward only.
+    c.arch = "llama";
+    auto llama = examples::make_model(c, head, at::kFloat);
+    auto* out = dynamic_cast<bmt::nn::LinearImpl*>(llama->named_modules()["output"].get());
+    ASSERT_NE(out, nullptr);
+    EXPECT_TRUE(out->fp8 && out->fp8_scales.backward_only);
+    // Both head choices at once, or either without fp8: refused, naming the options.
+    examples::ParallelOptions both = head;
+    both.fp8_head = true;
+    try {
+      c.arch = "gpt";
+      examples::Gpt bad(c, both, at::kFloat);
+      ADD_FAILURE() << "fp8_head with fp8_head_backward was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("set one"), std::string::npos) << e.what();
+    }
+  });
+  const char* argv[] = {"train_gpt", "--fp8", "--fp8-head-backward"};
+  const examples::TrainArgs a = examples::parse_train_args(3, argv);
+  EXPECT_TRUE(a.fp8_head_backward && !a.fp8_head);
+  const char* both[] = {"train_gpt", "--fp8", "--fp8-head", "--fp8-head-backward"};
+  EXPECT_THROW(examples::parse_train_args(4, both), std::exception);
+  const char* no_fp8[] = {"train_gpt", "--fp8-head-backward"};
+  EXPECT_THROW(examples::parse_train_args(2, no_fp8), std::exception);
+}

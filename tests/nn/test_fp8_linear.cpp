@@ -197,6 +197,30 @@ TEST(Fp8Linear, NoGradForwardEqualsTheGradForward) {
   EXPECT_TRUE(at::equal(with_grad.detach(), without));  // a recompute under checkpointing sees the same values
 }
 
+TEST(Fp8Linear, BackwardOnlyIsTheLinearForwardWithTheFp8Gradients) {
+  // Fp8LinearScales::backward_only (the LM head under --fp8-head-backward): the output is nn::linear's bit for bit,
+  // the three gradients are the full FP8 node's bit for bit (the same casts of dy, x and W; W's amax taken afresh
+  // equals the forward cast's), per tensor and rowwise.
+  for (const auto scaling : {bmt::nn::Fp8Scaling::kTensor, bmt::nn::Fp8Scaling::kRow}) {
+    at::manual_seed(5);
+    const at::Tensor x0 = at::randn({32, 48}), w0 = at::randn({16, 48}), b0 = at::randn({16}), g = at::randn({32, 16});
+    const auto leaf = [](const at::Tensor& t) { return t.clone().requires_grad_(); };
+    const at::Tensor xf = leaf(x0), wf = leaf(w0), bf = leaf(b0), xb = leaf(x0), wb = leaf(w0), bb = leaf(b0);
+    bmt::nn::Fp8LinearScales backward_only;
+    backward_only.backward_only = true;
+    const at::Tensor yf = bmt::nn::fp8_linear(xf, wf, bf, Fp8Format::kE5M2, scaling);
+    const at::Tensor yb = bmt::nn::fp8_linear(xb, wb, bb, Fp8Format::kE5M2, scaling, true, &backward_only);
+    EXPECT_TRUE(at::equal(yb.detach(), bmt::nn::linear(x0, w0, b0))) << "the forward must be the unquantised GEMM";
+    EXPECT_FALSE(at::equal(yb.detach(), yf.detach())) << "the full FP8 forward rounds; this one must not";
+    yf.backward(g);
+    yb.backward(g);
+    EXPECT_TRUE(at::equal(xb.grad(), xf.grad()));
+    EXPECT_TRUE(at::equal(wb.grad(), wf.grad()));
+    EXPECT_TRUE(at::equal(bb.grad(), bf.grad()));
+    EXPECT_FALSE(at::equal(wb.grad(), at::mm(g.t(), x0))) << "wgrad must be the FP8 GEMM, not the fp32 one";
+  }
+}
+
 // ----------------------------------------------------------------------------------------------- rowwise scaling
 
 namespace {

@@ -69,6 +69,10 @@ struct Fp8LinearScales {
   Fp8DelayedScale input, weight;
   // its output gradient's (E5M2, under fp8_delayed_grads_enabled(): nn::fp8_cast_grad_delayed in the backward)
   Fp8DelayedScale grad{16, Fp8Format::kE5M2};
+  // The layer's forward GEMM in the input dtype, only its two backward GEMMs in FP8 (what fp8_linear and its residual
+  // and parts variants read from the layer's FP8 state besides the scales; the fused FP8 MLP refuses it): the LM head
+  // under fp8_head_backward, whose logits feed the loss exactly.
+  bool backward_only = false;
 };
 
 // The recipe of the FP8 layers' per-tensor scales: BMT_FP8_RECIPE=current (the default) | delayed, or set here.

@@ -32,21 +32,27 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                                int64_t grad_format, int64_t scaling_id, bool want_dx, bool want_dw, bool compute,
-                               Fp8LinearScales* scales, Fp8DelayedScale* grad_scale, int64_t parts) {
+                               Fp8LinearScales* scales, Fp8DelayedScale* grad_scale, int64_t parts,
+                               bool fp8_forward) {
     const int64_t in = weight.size(1), out = weight.size(0);
     const auto scaling = static_cast<Fp8Scaling>(scaling_id);
     const at::Tensor x2 = x.contiguous().view({-1, in});
-    // compute = false (a recompute's tail): no forward GEMM, so neither x's row-major bytes nor W's cast
+    // compute = false (a recompute's tail): no forward GEMM, so neither x's row-major bytes nor W's cast; nor with
+    // the forward GEMM in x's dtype (fp8_forward = false: only wgrad reads x's bytes, and dgrad casts W itself)
+    const bool gemm8 = compute && fp8_forward;
     Fp8Tensor xq;
     // (delayed scales: per tensor, E4M3, each amax taken by the cast itself; the weight's transposed copy for dgrad
     // in the same pass)
     const bool delayed = scaling == Fp8Scaling::kTensor && e4m3_scales(scales);
-    if (compute || want_dw)
-      xq = delayed ? fp8_cast_delayed(x2, scales->input, compute, want_dw)
-                   : fp8_cast_as(scaling, x2, Fp8Format::kE4M3, compute, want_dw);
+    if (gemm8 || want_dw)
+      xq = delayed ? fp8_cast_delayed(x2, scales->input, gemm8, want_dw)
+                   : fp8_cast_as(scaling, x2, Fp8Format::kE4M3, gemm8, want_dw);
     at::Tensor y;
     Fp8Tensor wq;
-    if (compute) {
+    if (compute && !fp8_forward) {
+      y = linear(x2, weight, bias ? *bias : at::Tensor());
+      if (residual) y.add_(residual->contiguous().view({-1, out}));
+    } else if (compute) {
       wq = delayed ? fp8_cast_delayed(weight, scales->weight, true, want_dx)
                    : fp8_cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
       const at::Tensor res2 = residual ? residual->contiguous().view({-1, out}) : at::Tensor();
@@ -69,7 +75,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     // (per tensor: the backward's transposed cast of W reuses this cast's statistics, no second amax pass)
     // (delayed: the transposed copy itself, not the weight)
     const bool keep_wt = want_dx && wq.data_t.defined();
-    const bool keep_w_stats = want_dx && compute && scaling == Fp8Scaling::kTensor && !keep_wt;
+    const bool keep_w_stats = want_dx && gemm8 && scaling == Fp8Scaling::kTensor && !keep_wt;
     ctx->save_for_backward({want_dw ? xq.data_t : at::Tensor(), want_dw ? xq.inv_scale_t() : at::Tensor(),
                             want_dx && !keep_wt ? weight : at::Tensor(), keep_w_stats ? wq.stats : at::Tensor(),
                             keep_w_stats || keep_wt ? wq.inv : at::Tensor(), keep_wt ? wq.data_t : at::Tensor()});
@@ -127,7 +133,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     at::Tensor dres;
     if (ctx->saved_data["has_residual"].toBool() && ctx->needs_input_grad(3)) dres = grads[0];
     variable_list g = {dx, dw, db, dres};
-    g.resize(12);  // (none for the eight non-tensor arguments)
+    g.resize(13);  // (none for the nine non-tensor arguments)
     return g;
   }
 };
@@ -224,11 +230,12 @@ variable_list apply_fp8_linear(const at::Tensor& x, const at::Tensor& weight, co
                                bool compute_output, Fp8LinearScales* scales, int64_t parts) {
   // (what the backward will need, known here: inside the Function's forward grad mode is off)
   const bool grad = at::GradMode::is_enabled();
+  const bool fp8_forward = !(scales && scales->backward_only);
   const auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
   return Fp8LinearFn::apply(x, weight, opt(bias), opt(residual), static_cast<int64_t>(grad_format),
                             static_cast<int64_t>(scaling), grad && x.requires_grad(), grad && weight.requires_grad(),
                             compute_output, fp8_delayed_inputs_enabled() ? scales : nullptr,
-                            delayed_grad_scale(scales, grad_format, scaling), parts);
+                            delayed_grad_scale(scales, grad_format, scaling), parts, fp8_forward);
 }
 
 }  // namespace

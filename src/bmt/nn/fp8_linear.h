@@ -36,7 +36,8 @@ namespace bmt::nn {
 // skip_block_outputs_now()): y is left uncomputed (NaN), no forward GEMM and no weight cast; node and gradients
 // are the same. scales (optional, per-tensor scaling): the delayed scales of x and the weight (nn/fp8_delayed_scale.h),
 // used when fp8_delayed_inputs_enabled(), and of dy (scales->grad, E5M2 gradients) when fp8_delayed_grads_enabled();
-// the caller keeps them across steps, one per layer.
+// the caller keeps them across steps, one per layer. scales->backward_only (whatever the recipe): y by nn::linear in
+// x's dtype, only dgrad and wgrad in FP8 (x's transposed bytes still cast in the forward, W cast in the backward).
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = at::Tensor(),
                       Fp8Format grad_format = Fp8Format::kE5M2, Fp8Scaling scaling = Fp8Scaling::kTensor,
                       bool compute_output = true, Fp8LinearScales* scales = nullptr);

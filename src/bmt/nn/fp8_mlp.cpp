@@ -191,6 +191,13 @@ bool fused_operands(std::initializer_list<const at::Tensor*> ts, const at::Tenso
   return fp8_linear_applies(x, w_fc) && w_proj.size(0) % 16 == 0;
 }
 
+// The fused MLP runs both forward GEMMs in FP8: a layer asking for its backward GEMMs only is refused, not ignored.
+void check_not_backward_only(const char* who, const Fp8LinearScales* fc, const Fp8LinearScales* proj) {
+  BMT_CHECK(!(fc && fc->backward_only) && !(proj && proj->backward_only), who, ": c_fc or c_proj has backward_only "
+            "FP8 (Fp8LinearScales::backward_only), which the fused FP8 MLP does not do; run that layer through "
+            "nn::fp8_linear or clear backward_only");
+}
+
 // fc_scales / proj_scales: the forward operands' states (null: dynamic casts); their gradient states are used under
 // fp8_delayed_grads_enabled()
 at::Tensor apply(const at::Tensor& x, const at::Tensor& w_fc, const at::Tensor& b_fc, const at::Tensor& w_proj,
@@ -214,6 +221,7 @@ at::Tensor fp8_gelu_mlp_fused(const at::Tensor& x, const at::Tensor& w_fc, const
                               Fp8Format grad_format, bool compute_output, Fp8DelayedScale* gelu_scale,
                               Fp8LinearScales* fc_scales, Fp8LinearScales* proj_scales) {
   check_mlp("nn::fp8_gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
+  check_not_backward_only("nn::fp8_gelu_mlp_fused", fc_scales, proj_scales);
   BMT_CHECK(b_fc.defined() && b_proj.defined(), "nn::fp8_gelu_mlp_fused: c_fc and c_proj need biases");
   BMT_CHECK(fused_operands({&w_fc, &b_fc, &w_proj, &b_proj}, x, w_fc, w_proj) &&
                 (!residual.defined() || fused_operands({&residual}, x, w_fc, w_proj)),
@@ -229,6 +237,7 @@ at::Tensor fp8_gelu_mlp(const at::Tensor& x, const at::Tensor& w_fc, const at::T
                         bool compute_output, Fp8DelayedScale* gelu_scale, Fp8LinearScales* fc_scales,
                         Fp8LinearScales* proj_scales) {
   check_mlp("nn::fp8_gelu_mlp", x, w_fc, b_fc, w_proj, b_proj, residual);
+  check_not_backward_only("nn::fp8_gelu_mlp", fc_scales, proj_scales);
   // (under autocast the ops inside would run in another dtype than the backward's operands)
   const bool fused = fp8_scaling() == Fp8Scaling::kTensor && gemm_epilogues_enabled() && x.is_cuda() &&
                      !at::autocast::is_autocast_enabled(at::kCUDA) &&

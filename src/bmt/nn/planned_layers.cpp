@@ -53,11 +53,11 @@ std::vector<at::Tensor> PlannedLinear::forward_parts(const at::Tensor& x, int64_
   return forward(x).chunk(parts, -1);
 }
 
-void PlannedLinear::set_fp8(bool on) {
+void PlannedLinear::set_fp8(bool on, bool backward_only) {
   BMT_CHECK(dense_ || column_ || row_, "nn::PlannedLinear: empty handle; build it with TpScope::linear");
-  if (dense_) dense_->fp8 = on;
-  if (column_) column_->fp8 = on;
-  if (row_) row_->fp8 = on;
+  if (dense_) dense_->fp8 = on, dense_->fp8_scales.backward_only = backward_only;
+  if (column_) column_->fp8 = on, column_->fp8_scales.backward_only = backward_only;
+  if (row_) row_->fp8 = on, row_->fp8_scales.backward_only = backward_only;
 }
 
 at::Tensor PlannedLinear::input_of(const at::Tensor& x) const { return column_ ? column_->input_of(x) : x; }
@@ -103,10 +103,10 @@ at::Tensor PlannedEmbedding::projection(const at::Tensor& x, const at::Tensor& g
   return dense_->projection(x, gathered_weight);
 }
 
-void PlannedEmbedding::set_fp8_projection(bool on) {
+void PlannedEmbedding::set_fp8_projection(bool on, bool backward_only) {
   BMT_CHECK(dense_ || vocab_, "nn::PlannedEmbedding: empty handle; build it with TpScope::embedding");
-  if (dense_) dense_->fp8 = on;
-  if (vocab_) vocab_->fp8 = on;
+  if (dense_) dense_->fp8 = on, dense_->fp8_scales.backward_only = backward_only;
+  if (vocab_) vocab_->fp8 = on, vocab_->fp8_scales.backward_only = backward_only;
 }
 
 const at::Tensor& PlannedEmbedding::weight() const {

@@ -48,8 +48,9 @@ class PlannedLinear {
   // The dense Linear when the style is replicated (tp_size 1 or a replicated plan entry), else an empty holder:
   // what a caller fusing this layer with its neighbours (nn::gelu_mlp, nn::linear_residual) needs.
   Linear dense() const { return dense_; }
-  // FP8 GEMMs for whichever layer the plan built (Linear::fp8, ColumnParallelLinear::fp8, RowParallelLinear::fp8).
-  void set_fp8(bool on);
+  // FP8 GEMMs for whichever layer the plan built (Linear::fp8, ColumnParallelLinear::fp8, RowParallelLinear::fp8);
+  // backward_only: the forward GEMM stays in the parameter dtype (Fp8LinearScales::backward_only).
+  void set_fp8(bool on, bool backward_only = false);
 
  private:
   friend class TpScope;
@@ -73,8 +74,9 @@ class PlannedEmbedding {
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& gathered_weight = {});
   // The tied output projection: full logits, or this rank's vocabulary slice when vocab-parallel.
   at::Tensor projection(const at::Tensor& x, const at::Tensor& gathered_weight = {});
-  // The projection's GEMM in FP8 (EmbeddingImpl::fp8 / VPEmbeddingImpl::fp8); the lookup is unaffected.
-  void set_fp8_projection(bool on);
+  // The projection's GEMMs in FP8 (EmbeddingImpl::fp8 / VPEmbeddingImpl::fp8), or with backward_only its two
+  // backward GEMMs only (the logits in the parameter dtype: Fp8LinearScales::backward_only); the lookup is unaffected.
+  void set_fp8_projection(bool on, bool backward_only = false);
   const at::Tensor& weight() const;  // the parameter (bmt::gathered(weight()) for the tensor)
   bool vocab_parallel() const { return static_cast<bool>(vocab_); }
   const std::string& name() const { return name_; }

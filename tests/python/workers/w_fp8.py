@@ -138,6 +138,29 @@ def fp8_linear_rowwise_matches_the_dequantized_product():
 
 
 @case
+def fp8_linear_backward_only_keeps_the_forward_exact():
+    """Fp8LinearScales.backward_only (the LM head under --fp8-head-backward): y is the unquantised linear, dx and dW
+    the FP8 products (E5M2 gradient, E4M3 x and W) against fp64, db the rows' sum."""
+    s = bmt.nn.Fp8LinearScales()
+    if s.backward_only:
+        raise AssertionError("Fp8LinearScales().backward_only is on by default")
+    s.backward_only = True
+    x = rank_input(rank(), ROWS, IN, seed=31, requires_grad=True)
+    w0, b0 = _w(32)
+    w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    y = bmt.nn.fp8_linear(x, w, b, scales=s)
+    assert_equal("backward_only forward", y, bmt._C.nn.linear(x.detach(), w0, b0))
+    g = rank_input(rank(), ROWS, OUT, seed=33)
+    (y * g).sum().backward()
+    check_product("backward_only dgrad", x.grad, dequantized(g, E5M2), dequantized(w0, E4M3).t())
+    check_product("backward_only wgrad", w.grad, dequantized(g, E5M2).t(), dequantized(x, E4M3).t())
+    if torch.allclose(w.grad, g.t() @ x.detach(), rtol=0, atol=0):
+        raise AssertionError("backward_only: wgrad is the full-precision product: the FP8 backward did not run")
+    if not torch.allclose(b.grad.double(), g.double().sum(0), rtol=1e-6, atol=1e-6):
+        raise AssertionError("backward_only: the bias gradient is not the sum of the output gradient's rows")
+
+
+@case
 def embedding_fp8_projection_is_the_fp8_linear_of_its_table():
     """bmt.nn.Embedding(fp8=True): the tied projection is fp8_linear of the table (the lookup unchanged)."""
     emb = bmt.nn.Embedding(OUT, IN, dtype=torch.float32, fp8=True)
