@@ -22,6 +22,13 @@
 
 namespace {
 
+// A GPT small enough for one CPU rank, every GEMM dimension a multiple of 16.
+examples::ModelConfig tiny_gpt(int64_t layers) {
+  examples::ModelConfig c;
+  c.num_layers = layers, c.dim = 64, c.num_heads = 4, c.ffn_dim = 256, c.vocab_size = 32, c.max_seq_len = 16;
+  return c;
+}
+
 examples::TrainArgs fp8_args(bool checkpointing) {
   examples::TrainArgs a;
   a.progress = "off";
@@ -109,8 +116,7 @@ TEST(Fp8Training, TinyLlamaLearnsOnTwoRanks) {
 
 TEST(Fp8Training, LayersListedInFp8Bf16LayersStayInTheParameterDtype) {
   bmt::testing::run_ranks(1, [] {
-    examples::ModelConfig c;
-    c.num_layers = 4, c.dim = 64, c.num_heads = 4, c.ffn_dim = 256, c.vocab_size = 32, c.max_seq_len = 16;
+    examples::ModelConfig c = tiny_gpt(4);
     examples::ParallelOptions p(3, false);
     p.fp8 = true;
     p.fp8_bf16_layers = {0, -1};
@@ -148,8 +154,7 @@ TEST(Fp8Training, LayersListedInFp8Bf16LayersStayInTheParameterDtype) {
 
 TEST(Fp8Training, Fp8LinearsChoosesTheAttentionOrTheMlpLinears) {
   bmt::testing::run_ranks(1, [] {
-    examples::ModelConfig c;
-    c.num_layers = 2, c.dim = 64, c.num_heads = 4, c.ffn_dim = 256, c.vocab_size = 32, c.max_seq_len = 16;
+    examples::ModelConfig c = tiny_gpt(2);
     for (const std::string group : {"all", "mlp", "attn"}) {
       examples::ParallelOptions p(3, false);
       p.fp8 = true;
@@ -185,8 +190,7 @@ TEST(Fp8Training, Fp8LinearsChoosesTheAttentionOrTheMlpLinears) {
 
 TEST(Fp8Training, OffIsTodaysModelAndOnStaysWithinFp8Rounding) {
   bmt::testing::run_ranks(1, [] {
-    examples::ModelConfig c;
-    c.num_layers = 2, c.dim = 64, c.num_heads = 4, c.ffn_dim = 256, c.vocab_size = 32, c.max_seq_len = 16;
+    examples::ModelConfig c = tiny_gpt(2);
     examples::ParallelOptions off(3, false), on(3, false);
     on.fp8 = true;
     examples::Gpt today(c, {3, false}, at::kFloat), fp8_off(c, off, at::kFloat), fp8_on(c, on, at::kFloat);
@@ -203,8 +207,7 @@ TEST(Fp8Training, OffIsTodaysModelAndOnStaysWithinFp8Rounding) {
 
 TEST(Fp8Training, Fp8HeadRunsTheLmHeadsGemmsInFp8) {
   bmt::testing::run_ranks(1, [] {
-    examples::ModelConfig c;
-    c.num_layers = 2, c.dim = 64, c.num_heads = 4, c.ffn_dim = 256, c.vocab_size = 32, c.max_seq_len = 16;
+    examples::ModelConfig c = tiny_gpt(2);
     examples::ParallelOptions layers(3, false), head(3, false);
     layers.fp8 = head.fp8 = true;
     head.fp8_head = true;
@@ -252,8 +255,7 @@ TEST(Fp8Training, Fp8HeadRunsTheLmHeadsGemmsInFp8) {
 
 TEST(Fp8Training, Fp8HeadBackwardKeepsTheLogitsAndPutsTheHeadsGradientsInFp8) {
   bmt::testing::run_ranks(1, [] {
-    examples::ModelConfig c;
-    c.num_layers = 2, c.dim = 64, c.num_heads = 4, c.ffn_dim = 256, c.vocab_size = 32, c.max_seq_len = 16;
+    examples::ModelConfig c = tiny_gpt(2);
     examples::ParallelOptions head(3, false);
     head.fp8 = true;
     head.fp8_head_backward = true;
