@@ -41,7 +41,9 @@ def fp8_linear(input, weight, bias=None, grad_format=None, scaling=None, scales=
     weight's transposed copy kept for the backward; a value above that range saturates); with
     set_fp8_delayed_grads(True) (or BMT_FP8_DELAYED_GRADS=1), E5M2 gradients and per-tensor scales the backward
     casts the output gradient with the scale of its last 16 amaxes, its bias gradient from the same read (the
-    autograd node keeps the state alive). Not in BMTrain."""
+    autograd node keeps the state alive). scales.backward_only = True keeps the forward GEMM in the input's dtype
+    and puts only the two backward GEMMs in FP8 (an LM head: exact logits, as train_gpt --fp8-head-backward). Not in
+    BMTrain."""
     return _nn.fp8_linear(input, weight, bias, grad_format, scaling, True, scales)
 
 
