@@ -49,13 +49,13 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
                    : fp8_cast_as(scaling, x2, Fp8Format::kE4M3, gemm8, want_dw);
     at::Tensor y;
     Fp8Tensor wq;
+    const at::Tensor res2 = compute && residual ? residual->contiguous().view({-1, out}) : at::Tensor();
     if (compute && !fp8_forward) {
       y = linear(x2, weight, bias ? *bias : at::Tensor());
-      if (residual) y.add_(residual->contiguous().view({-1, out}));
+      if (res2.defined()) y.add_(res2);
     } else if (compute) {
       wq = delayed ? fp8_cast_delayed(weight, scales->weight, true, want_dx)
                    : fp8_cast_as(scaling, weight, Fp8Format::kE4M3, true, false);
-      const at::Tensor res2 = residual ? residual->contiguous().view({-1, out}) : at::Tensor();
       // a residual: added by the GEMM's epilogue (per tensor, CUDA, where cuBLASLt has an algorithm), else after
       bool done = false;
       if (res2.defined() && scaling == Fp8Scaling::kTensor && x.is_cuda()) {

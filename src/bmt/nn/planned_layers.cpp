@@ -39,6 +39,14 @@ auto build(const std::string& name, TpStyle style, Make make) {
   }
 }
 
+// A built layer's FP8 switch and its backward-only choice (every FP8-capable layer has both); an empty handle: none.
+template <class Layer>
+void set_layer_fp8(Layer& layer, bool on, bool backward_only) {
+  if (!layer) return;
+  layer->fp8 = on;
+  layer->fp8_scales.backward_only = backward_only;
+}
+
 }  // namespace
 
 at::Tensor PlannedLinear::forward(const at::Tensor& x) {
@@ -55,9 +63,9 @@ std::vector<at::Tensor> PlannedLinear::forward_parts(const at::Tensor& x, int64_
 
 void PlannedLinear::set_fp8(bool on, bool backward_only) {
   BMT_CHECK(dense_ || column_ || row_, "nn::PlannedLinear: empty handle; build it with TpScope::linear");
-  if (dense_) dense_->fp8 = on, dense_->fp8_scales.backward_only = backward_only;
-  if (column_) column_->fp8 = on, column_->fp8_scales.backward_only = backward_only;
-  if (row_) row_->fp8 = on, row_->fp8_scales.backward_only = backward_only;
+  set_layer_fp8(dense_, on, backward_only);
+  set_layer_fp8(column_, on, backward_only);
+  set_layer_fp8(row_, on, backward_only);
 }
 
 at::Tensor PlannedLinear::input_of(const at::Tensor& x) const { return column_ ? column_->input_of(x) : x; }
@@ -105,8 +113,8 @@ at::Tensor PlannedEmbedding::projection(const at::Tensor& x, const at::Tensor& g
 
 void PlannedEmbedding::set_fp8_projection(bool on, bool backward_only) {
   BMT_CHECK(dense_ || vocab_, "nn::PlannedEmbedding: empty handle; build it with TpScope::embedding");
-  if (dense_) dense_->fp8 = on, dense_->fp8_scales.backward_only = backward_only;
-  if (vocab_) vocab_->fp8 = on, vocab_->fp8_scales.backward_only = backward_only;
+  set_layer_fp8(dense_, on, backward_only);
+  set_layer_fp8(vocab_, on, backward_only);
 }
 
 const at::Tensor& PlannedEmbedding::weight() const {
